@@ -1,0 +1,10 @@
+/* Everything Weft uses from libfabric. bindgen reads this file; the static inline
+ * calls it declares are wrapped into real symbols (see build.rs). */
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+#include <rdma/fi_tagged.h>

@@ -1,0 +1,100 @@
+//! Device discovery: one device per libfabric domain of the chosen provider.
+//!
+//! Providers are tried in the configured order (default: efa, verbs;ofi_rxm,
+//! tcp;ofi_rxm); the first that offers a reliable tagged endpoint on at least
+//! one kept domain wins. `WEFT_IFACE` keeps only the named domains (not applied
+//! to shm, whose one domain is the host).
+
+use crate::config::Config;
+use crate::fabric::{FiError, Hints, InfoList, OwnedInfo};
+
+/// One NIC as NCCL sees it.
+#[derive(Debug)]
+pub struct Device {
+    /// Index NCCL uses (`dev`).
+    pub index: usize,
+    /// libfabric provider, e.g. `tcp;ofi_rxm`.
+    pub provider: String,
+    /// Domain name (interface or NIC).
+    pub domain: String,
+    /// Fabric name.
+    pub fabric: String,
+    /// Largest message one send carries.
+    pub max_msg_size: usize,
+    /// The `fi_info` to open it with.
+    pub info: OwnedInfo,
+}
+
+/// Why no device could be found.
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    /// `fi_getinfo` itself failed.
+    #[error(transparent)]
+    Fabric(#[from] FiError),
+    /// No provider had a usable device.
+    #[error("no libfabric device found: tried providers [{tried}]{ifaces}; check WEFT_PROVIDER and WEFT_IFACE, and `fi_info -l` for what this host offers")]
+    NoDevice {
+        /// Providers tried, in order.
+        tried: String,
+        /// The interface filter, if any.
+        ifaces: String,
+    },
+}
+
+/// Whether `WEFT_IFACE` applies to a provider's domains.
+fn filters_by_iface(provider: &str) -> bool {
+    provider != "shm"
+}
+
+/// Lists the devices of the first provider (in configured order) that has one.
+pub fn discover(config: &Config) -> Result<Vec<Device>, DiscoveryError> {
+    for provider in &config.providers {
+        let list = InfoList::get(&Hints::rdm_tagged(Some(provider)))?;
+        let mut devices: Vec<Device> = Vec::new();
+        for info in list.iter() {
+            // libfabric may answer with a layered provider we did not ask for
+            // (e.g. `tcp` alone, or `shm` under `ofi_rxm`): keep exact matches.
+            if info.provider() != provider {
+                continue;
+            }
+            let domain = info.domain_name();
+            if filters_by_iface(provider)
+                && !config.ifaces.is_empty()
+                && !config.ifaces.iter().any(|i| i == domain)
+            {
+                continue;
+            }
+            // One device per domain; libfabric lists a domain once per address
+            // family and its IPv4 entry comes first.
+            if devices.iter().any(|d| d.domain == domain) {
+                continue;
+            }
+            devices.push(Device {
+                index: devices.len(),
+                provider: provider.clone(),
+                domain: domain.to_owned(),
+                fabric: info.fabric_name().to_owned(),
+                max_msg_size: info.max_msg_size(),
+                info: info.to_owned()?,
+            });
+        }
+        if !devices.is_empty() {
+            tracing::info!(
+                target: "weft::init",
+                "provider {provider}: {} device(s): {}",
+                devices.len(),
+                devices.iter().map(|d| d.domain.as_str()).collect::<Vec<_>>().join(", ")
+            );
+            return Ok(devices);
+        }
+        tracing::info!(target: "weft::init", "provider {provider}: no usable device");
+    }
+    Err(DiscoveryError::NoDevice {
+        tried: config.providers.join(", "),
+        ifaces: if config.ifaces.is_empty() {
+            String::new()
+        } else {
+            format!(" with WEFT_IFACE={}", config.ifaces.join(","))
+        },
+    })
+}

@@ -1,0 +1,113 @@
+//! Fabric and domain: the roots every other libfabric object hangs from.
+
+use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use libfabric_sys as fi;
+
+use super::error::{check, FiError};
+use super::info::{InfoRef, OwnedInfo};
+
+/// Closes a libfabric object, logging (never panicking on) a failure: this runs in `Drop`.
+pub(crate) fn close_fid(fid: *mut fi::fid, what: &'static str) {
+    // SAFETY: callers pass the fid of an object they own and never use again.
+    let ret = unsafe { fi::fi_close(fid) };
+    if ret != 0 {
+        tracing::warn!(
+            "fi_close({what}) failed: {}; the object may leak",
+            super::error::strerror(ret.unsigned_abs())
+        );
+    }
+}
+
+/// An open fabric (`fi_fabric`). Closed when the last domain using it is gone.
+#[derive(Debug)]
+pub struct Fabric {
+    ptr: *mut fi::fid_fabric,
+}
+
+// SAFETY: libfabric fabric objects may be used from any thread; Weft opens
+// every domain FI_THREAD_SAFE (see `Hints`).
+unsafe impl Send for Fabric {}
+// SAFETY: as above.
+unsafe impl Sync for Fabric {}
+
+impl Fabric {
+    /// Opens the fabric an `fi_getinfo` entry describes.
+    pub fn open(info: InfoRef<'_>) -> Result<Arc<Self>, FiError> {
+        let mut ptr = ptr::null_mut();
+        // SAFETY: fabric_attr comes from a live fi_info; `ptr` receives the object.
+        check("fi_fabric", unsafe {
+            fi::fi_fabric((*info.raw()).fabric_attr, &mut ptr, ptr::null_mut())
+        })?;
+        Ok(Arc::new(Self { ptr }))
+    }
+}
+
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` is a live fabric; every child holds an Arc to it, so none remain.
+        close_fid(unsafe { &mut (*self.ptr).fid }, "fabric");
+    }
+}
+
+/// An open domain (`fi_domain`): one NIC. Keeps its fabric and its `fi_info` alive.
+#[derive(Debug)]
+pub struct Domain {
+    ptr: *mut fi::fid_domain,
+    info: OwnedInfo,
+    next_key: AtomicU64,
+    _fabric: Arc<Fabric>,
+}
+
+// SAFETY: domains are opened FI_THREAD_SAFE.
+unsafe impl Send for Domain {}
+// SAFETY: as above.
+unsafe impl Sync for Domain {}
+
+impl Domain {
+    /// Opens the fabric and domain that an `fi_getinfo` entry describes.
+    pub fn open(info: InfoRef<'_>) -> Result<Arc<Self>, FiError> {
+        let info = info.to_owned()?;
+        let fabric = Fabric::open(info.as_ref())?;
+        let mut ptr = ptr::null_mut();
+        // SAFETY: fabric and info are live; `ptr` receives the domain.
+        check("fi_domain", unsafe {
+            fi::fi_domain(fabric.ptr, info.as_ref().raw(), &mut ptr, ptr::null_mut())
+        })?;
+        Ok(Arc::new(Self {
+            ptr,
+            info,
+            next_key: AtomicU64::new(1),
+            _fabric: fabric,
+        }))
+    }
+
+    /// The `fi_info` this domain was opened with (used again for endpoints).
+    pub fn info(&self) -> InfoRef<'_> {
+        self.info.as_ref()
+    }
+
+    /// The key to request for a new registration: 0 where the provider picks
+    /// keys (`FI_MR_PROV_KEY`), else a key unique within this domain.
+    pub(crate) fn requested_key(&self) -> u64 {
+        if self.info().mr_mode() & libfabric_sys::FI_MR_PROV_KEY != 0 {
+            0
+        } else {
+            self.next_key.fetch_add(1, Ordering::Relaxed)
+        }
+    }
+
+    pub(crate) fn raw(&self) -> *mut fi::fid_domain {
+        self.ptr
+    }
+}
+
+impl Drop for Domain {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` is live; endpoints, CQs, AVs and MRs hold an Arc to the
+        // domain, so all of them are closed before this runs.
+        close_fid(unsafe { &mut (*self.ptr).fid }, "domain");
+    }
+}

@@ -1,0 +1,150 @@
+//! Reliable-datagram endpoints and their tagged and RMA operations.
+
+use std::ptr;
+use std::sync::Arc;
+
+use libfabric_sys as fi;
+
+use super::av::{Av, FiAddr};
+use super::cq::Cq;
+use super::domain::{close_fid, Domain};
+use super::error::{check, FiError};
+
+/// An enabled RDM endpoint bound to one CQ (send and receive) and one AV.
+/// Dropping it closes the endpoint before the CQ and AV it holds.
+#[derive(Debug)]
+pub struct Endpoint {
+    ptr: *mut fi::fid_ep,
+    cq: Arc<Cq>,
+    av: Arc<Av>,
+    _domain: Arc<Domain>,
+}
+
+// SAFETY: opened on a FI_THREAD_SAFE domain.
+unsafe impl Send for Endpoint {}
+// SAFETY: as above.
+unsafe impl Sync for Endpoint {}
+
+impl Endpoint {
+    /// Opens an endpoint on `domain`, binds `cq` for send and receive
+    /// completions and `av`, and enables it.
+    pub fn open(domain: &Arc<Domain>, cq: &Arc<Cq>, av: &Arc<Av>) -> Result<Self, FiError> {
+        let mut ptr = ptr::null_mut();
+        // SAFETY: domain and its info are live; `ptr` receives the endpoint.
+        check("fi_endpoint", unsafe {
+            fi::fi_endpoint(domain.raw(), domain.info().raw(), &mut ptr, ptr::null_mut())
+        })?;
+        // Own it first so an error below still closes it.
+        let ep = Self {
+            ptr,
+            cq: Arc::clone(cq),
+            av: Arc::clone(av),
+            _domain: Arc::clone(domain),
+        };
+        let flags = u64::from(fi::FI_TRANSMIT | fi::FI_RECV);
+        // SAFETY: ep, cq and av are live objects of the same domain.
+        unsafe {
+            check("fi_ep_bind(cq)", fi::fi_ep_bind(ep.ptr, cq.fid(), flags))?;
+            check("fi_ep_bind(av)", fi::fi_ep_bind(ep.ptr, av.fid(), 0))?;
+            check("fi_enable", fi::fi_enable(ep.ptr))?;
+        }
+        Ok(ep)
+    }
+
+    /// The endpoint's address, to be inserted in a peer's AV.
+    pub fn name(&self) -> Result<Vec<u8>, FiError> {
+        let mut buf = vec![0u8; 64];
+        loop {
+            let mut len = buf.len();
+            // SAFETY: `buf` is writable for `len` bytes; libfabric writes at most
+            // that and reports the needed length.
+            let ret = unsafe { fi::fi_getname(&mut (*self.ptr).fid, buf.as_mut_ptr().cast(), &mut len) };
+            if ret == -(fi::FI_ETOOSMALL as i32) && len > buf.len() {
+                buf.resize(len, 0);
+                continue;
+            }
+            check("fi_getname", ret)?;
+            buf.truncate(len);
+            return Ok(buf);
+        }
+    }
+
+    /// The completion queue every operation of this endpoint reports to.
+    pub fn cq(&self) -> &Arc<Cq> {
+        &self.cq
+    }
+
+    /// The address vector peers are inserted into.
+    pub fn av(&self) -> &Arc<Av> {
+        &self.av
+    }
+
+    /// Posts a tagged send. `FI_EAGAIN` means "progress the CQ and retry".
+    ///
+    /// # Safety
+    /// `buf..buf+len` must stay valid and unchanged until the completion for
+    /// `ctx` is read; `desc` must be the MR descriptor for that memory (or NULL
+    /// where the provider needs none).
+    pub unsafe fn tsend(
+        &self,
+        buf: *const u8,
+        len: usize,
+        desc: *mut libc::c_void,
+        dest: FiAddr,
+        tag: u64,
+        ctx: *mut libc::c_void,
+    ) -> Result<(), FiError> {
+        // SAFETY: upheld by the caller as documented.
+        check("fi_tsend", unsafe {
+            fi::fi_tsend(self.ptr, buf.cast(), len, desc, dest, tag, ctx)
+        })
+        .map(drop)
+    }
+
+    /// Posts a tagged receive matching `tag` with `ignore` bits masked.
+    ///
+    /// # Safety
+    /// `buf..buf+len` must stay valid and writable until the completion for
+    /// `ctx` is read; `desc` as for [`Endpoint::tsend`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn trecv(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        desc: *mut libc::c_void,
+        src: FiAddr,
+        tag: u64,
+        ignore: u64,
+        ctx: *mut libc::c_void,
+    ) -> Result<(), FiError> {
+        // SAFETY: upheld by the caller as documented.
+        check("fi_trecv", unsafe {
+            fi::fi_trecv(self.ptr, buf.cast(), len, desc, src, tag, ignore, ctx)
+        })
+        .map(drop)
+    }
+
+    /// Sends a small message that libfabric copies at once (no completion).
+    pub fn tinject(&self, data: &[u8], dest: FiAddr, tag: u64) -> Result<(), FiError> {
+        // SAFETY: fi_tinject copies `data` before returning.
+        check("fi_tinject", unsafe {
+            fi::fi_tinject(self.ptr, data.as_ptr().cast(), data.len(), dest, tag)
+        })
+        .map(drop)
+    }
+
+    /// Cancels a posted operation by its context; its completion (if any) is
+    /// reported as `FI_ECANCELED`.
+    pub fn cancel(&self, ctx: *mut libc::c_void) -> Result<(), FiError> {
+        // SAFETY: the endpoint is live; an unknown context is not an error.
+        check("fi_cancel", unsafe { fi::fi_cancel(&mut (*self.ptr).fid, ctx) }).map(drop)
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` is live and closed once, before `cq` and `av` (fields
+        // drop after this body runs).
+        close_fid(unsafe { &mut (*self.ptr).fid }, "endpoint");
+    }
+}

@@ -1,0 +1,79 @@
+//! Memory regions (`fi_mr_reg`).
+
+use std::ptr;
+use std::sync::Arc;
+
+use libfabric_sys as fi;
+
+use super::domain::{close_fid, Domain};
+use super::error::{check, FiError};
+
+/// A registered memory region; deregistered on drop.
+#[derive(Debug)]
+pub struct Mr {
+    ptr: *mut fi::fid_mr,
+    _domain: Arc<Domain>,
+}
+
+// SAFETY: opened on a FI_THREAD_SAFE domain; desc/key are plain reads.
+unsafe impl Send for Mr {}
+// SAFETY: as above.
+unsafe impl Sync for Mr {}
+
+/// Access rights for a registration: local send/recv plus remote RMA.
+pub const ACCESS_ALL: u64 = (fi::FI_SEND | fi::FI_RECV | fi::FI_READ | fi::FI_WRITE) as u64
+    | (fi::FI_REMOTE_READ | fi::FI_REMOTE_WRITE) as u64;
+
+impl Mr {
+    /// Registers `len` bytes at `addr` for `access`.
+    ///
+    /// # Safety
+    /// `addr..addr+len` must stay mapped until the returned `Mr` is dropped.
+    pub unsafe fn register(
+        domain: &Arc<Domain>,
+        addr: *const u8,
+        len: usize,
+        access: u64,
+    ) -> Result<Self, FiError> {
+        let mut ptr = ptr::null_mut();
+        // SAFETY: the caller keeps the range mapped; domain is live; `ptr`
+        // receives the MR.
+        let key = domain.requested_key();
+        check("fi_mr_reg", unsafe {
+            fi::fi_mr_reg(
+                domain.raw(),
+                addr.cast(),
+                len,
+                access,
+                0,
+                key,
+                0,
+                &mut ptr,
+                ptr::null_mut(),
+            )
+        })?;
+        Ok(Self {
+            ptr,
+            _domain: Arc::clone(domain),
+        })
+    }
+
+    /// The local descriptor passed with data-transfer calls (may be NULL).
+    pub fn desc(&self) -> *mut libc::c_void {
+        // SAFETY: `ptr` is a live MR.
+        unsafe { fi::fi_mr_desc(self.ptr) }
+    }
+
+    /// The remote key a peer uses for RMA.
+    pub fn key(&self) -> u64 {
+        // SAFETY: `ptr` is a live MR.
+        unsafe { fi::fi_mr_key(self.ptr) }
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` is live and closed once.
+        close_fid(unsafe { &mut (*self.ptr).fid }, "mr");
+    }
+}

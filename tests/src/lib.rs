@@ -1,0 +1,157 @@
+//! Shared pieces of Weft's integration tests and demo: the capturing NCCL
+//! logger, loopback configuration, and event-driven poll loops with generous
+//! timeouts (this machine is small and shared; tests never sleep to sync).
+
+use std::time::{Duration, Instant};
+
+use weft::config::{Config, Param};
+
+/// Switches read only by Weft's tests and demo (never by the plugin).
+pub const TEST_PARAMS: &[Param] = &[Param {
+    name: "WEFT_TEST_TIMEOUT",
+    default: "300",
+    accepted: "seconds, decimals allowed, 0.1 ..= 3600",
+    meaning: "how long a test's poll loop waits for an event before failing (it prints the load average)",
+}];
+
+/// The poll-loop timeout (`WEFT_TEST_TIMEOUT`, default 300 s).
+pub fn timeout() -> Duration {
+    match std::env::var("WEFT_TEST_TIMEOUT") {
+        Ok(v) => weft::config::seconds("WEFT_TEST_TIMEOUT", &v, 0.1, 3600.0)
+            .unwrap_or_else(|e| panic!("{e}")),
+        Err(_) => Duration::from_secs(300),
+    }
+}
+
+/// `/proc/loadavg`, for timeout messages.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "unknown".to_owned())
+}
+
+/// Calls `step` until it returns `Some`, yielding between calls; panics with
+/// `what` and the load average after [`timeout`].
+pub fn poll_until<T>(what: &str, mut step: impl FnMut() -> Option<T>) -> T {
+    let limit = timeout();
+    let start = Instant::now();
+    loop {
+        if let Some(v) = step() {
+            return v;
+        }
+        if start.elapsed() > limit {
+            panic!(
+                "timed out after {:?} waiting for {what}; load average: {}",
+                limit,
+                load_average()
+            );
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// A configuration that uses exactly `provider` on loopback (`lo`) only.
+pub fn loopback(provider: &str) -> Config {
+    Config {
+        providers: vec![weft::config::canonical_provider(provider)],
+        ifaces: vec!["lo".to_owned()],
+        ..Config::default()
+    }
+}
+
+/// The capturing logger (C, `c/capture_logger.c`) standing in for NCCL's.
+pub mod capture {
+    use std::ffi::{c_char, c_int, c_ulong, CStr};
+
+    extern "C" {
+        /// Records one line; a `weft::log::NcclDebugLogger`.
+        pub fn weft_test_capture_logger(
+            level: c_int,
+            flags: c_ulong,
+            file: *const c_char,
+            line: c_int,
+            fmt: *const c_char,
+            ...
+        );
+        fn weft_test_capture_count() -> c_int;
+        fn weft_test_capture_get(
+            i: c_int,
+            level: *mut c_int,
+            flags: *mut c_ulong,
+            line: *mut c_int,
+            file: *mut c_char,
+            fmt: *mut c_char,
+            text: *mut c_char,
+        ) -> c_int;
+    }
+
+    /// One line NCCL's logger received.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Line {
+        /// `ncclDebugLogLevel`.
+        pub level: i32,
+        /// Subsystem flags.
+        pub flags: u64,
+        /// Source file.
+        pub file: String,
+        /// Source line.
+        pub line: i32,
+        /// The format string Weft passed.
+        pub fmt: String,
+        /// The formatted text.
+        pub text: String,
+    }
+
+    /// Every line recorded so far.
+    pub fn lines() -> Vec<Line> {
+        // SAFETY: plain C getter guarded by a mutex.
+        let n = unsafe { weft_test_capture_count() };
+        (0..n)
+            .filter_map(|i| {
+                let (mut level, mut flags, mut line) = (0, 0, 0);
+                let mut file = [0 as c_char; 256];
+                let mut fmt = [0 as c_char; 64];
+                let mut text = [0 as c_char; 1024];
+                // SAFETY: the buffers have the sizes the C side copies.
+                let rc = unsafe {
+                    weft_test_capture_get(
+                        i,
+                        &mut level,
+                        &mut flags,
+                        &mut line,
+                        file.as_mut_ptr(),
+                        fmt.as_mut_ptr(),
+                        text.as_mut_ptr(),
+                    )
+                };
+                let s = |b: &[c_char]| {
+                    // SAFETY: the C side NUL-terminates every copied string.
+                    unsafe { CStr::from_ptr(b.as_ptr()) }
+                        .to_string_lossy()
+                        .into_owned()
+                };
+                (rc == 0).then(|| Line {
+                    level,
+                    flags: u64::from(flags),
+                    file: s(&file),
+                    line,
+                    fmt: s(&fmt),
+                    text: s(&text),
+                })
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn readme_test_table_matches_the_code() {
+        let readme = include_str!("../../README.md");
+        let table = weft::config::markdown_table(super::TEST_PARAMS);
+        assert!(
+            readme.contains(&table),
+            "README.md's test-switch table differs from tests/src/lib.rs; it must read:\n{table}"
+        );
+    }
+}
