@@ -23,16 +23,23 @@ fn main() {
         Ok(lib) => lib,
         Err(e) => {
             let first = e.to_string().lines().next().unwrap_or_default().to_owned();
-            fail(&format!("libfabric >= 1.17 not found by pkg-config ({first})"))
+            fail(&format!(
+                "libfabric >= 1.17 not found by pkg-config ({first})"
+            ))
         }
     };
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let header = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets it")).join("wrapper.h");
+    let header =
+        PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets it")).join("wrapper.h");
     let static_fns = out.join("static_fns");
 
     let mut builder = bindgen::Builder::default()
         .header(header.to_string_lossy())
-        .clang_args(lib.include_paths.iter().map(|p| format!("-I{}", p.display())))
+        .clang_args(
+            lib.include_paths
+                .iter()
+                .map(|p| format!("-I{}", p.display())),
+        )
         .allowlist_function("fi_.*")
         .allowlist_type("fi_.*|fid_.*|fid")
         .allowlist_var("FI_.*")
@@ -52,10 +59,13 @@ fn main() {
 
     // bindgen loads libclang at run time and panics when it is absent: turn that
     // into the same one-line message.
-    let generated = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || builder.generate()));
+    let generated =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || builder.generate()));
     let bindings = match generated {
         Ok(Ok(b)) => b,
-        Ok(Err(e)) => fail(&format!("bindgen could not parse the libfabric headers ({e})")),
+        Ok(Err(e)) => fail(&format!(
+            "bindgen could not parse the libfabric headers ({e})"
+        )),
         Err(_) => fail("libclang not found (bindgen needs it)"),
     };
     bindings

@@ -8,7 +8,11 @@
 //! wrappers live in the `weft` crate (`plugin/src/fabric/`).
 
 #![allow(non_upper_case_globals, non_camel_case_types, non_snake_case)]
-#![allow(missing_debug_implementations, clippy::all, clippy::undocumented_unsafe_blocks)]
+#![allow(
+    missing_debug_implementations,
+    clippy::all,
+    clippy::undocumented_unsafe_blocks
+)]
 #![allow(unsafe_op_in_unsafe_fn)]
 
 include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
@@ -37,7 +41,11 @@ mod tests {
     fn links_and_reports_a_version() {
         // SAFETY: fi_version takes no arguments and only reads a constant.
         let v = unsafe { fi_version() };
-        assert!(v >= WEFT_FI_VERSION, "libfabric {:#x} is older than 1.17", v);
+        assert!(
+            v >= WEFT_FI_VERSION,
+            "libfabric {:#x} is older than 1.17",
+            v
+        );
     }
 
     #[test]

@@ -154,7 +154,11 @@ pub fn seconds(name: &'static str, value: &str, lo: f64, hi: f64) -> Result<Dura
         .parse()
         .map_err(|_| err(name, value, "not a number of seconds"))?;
     if !(lo..=hi).contains(&v) {
-        return Err(err(name, value, format!("out of range {lo} ..= {hi} seconds")));
+        return Err(err(
+            name,
+            value,
+            format!("out of range {lo} ..= {hi} seconds"),
+        ));
     }
     Ok(Duration::from_secs_f64(v))
 }
@@ -189,7 +193,13 @@ impl Config {
         if let Some(v) = get("WEFT_PROTOCOL") {
             c.protocol = match v.trim() {
                 "sendrecv" => Protocol::SendRecv,
-                "rdma" => return Err(err("WEFT_PROTOCOL", &v, "the RDMA protocol is not in this build")),
+                "rdma" => {
+                    return Err(err(
+                        "WEFT_PROTOCOL",
+                        &v,
+                        "the RDMA protocol is not in this build",
+                    ))
+                }
                 _ => return Err(err("WEFT_PROTOCOL", &v, "unknown protocol")),
             };
         }
@@ -219,7 +229,9 @@ impl Config {
         tracing::info!(target: "weft::init", "WEFT_EAGER_SIZE = {} bytes", self.eager_size);
         match self.link_speed_mbps {
             Some(s) => tracing::info!(target: "weft::init", "WEFT_LINK_SPEED_MBPS = {s}"),
-            None => tracing::info!(target: "weft::init", "WEFT_LINK_SPEED_MBPS = (sysfs, else 10000)"),
+            None => {
+                tracing::info!(target: "weft::init", "WEFT_LINK_SPEED_MBPS = (sysfs, else 10000)")
+            }
         }
         tracing::info!(target: "weft::init", "WEFT_PEER_TIMEOUT = {:.3} s", self.peer_timeout.as_secs_f64());
     }
@@ -320,7 +332,10 @@ mod tests {
             let e = with(&[(p.name, v)]).expect_err(p.name);
             assert_eq!(e.name, p.name);
             let msg = e.to_string();
-            assert!(msg.contains(p.name) && msg.contains(v) && msg.contains(p.accepted), "{msg}");
+            assert!(
+                msg.contains(p.name) && msg.contains(v) && msg.contains(p.accepted),
+                "{msg}"
+            );
         }
     }
 

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::Once;
 
 use tracing::field::{Field, Visit};
+use tracing::subscriber::Interest;
 use tracing::{Event, Level, Metadata, Subscriber};
 use tracing_subscriber::layer::{Context, Layer};
 use tracing_subscriber::prelude::*;
@@ -145,6 +146,12 @@ fn c_string(s: &str) -> CString {
 }
 
 impl<S: Subscriber> Layer<S> for NcclLayer {
+    // Whether a callsite is wanted changes at run time (set_logger, NCCL_DEBUG),
+    // so tracing must ask `enabled` every time rather than cache a verdict.
+    fn register_callsite(&self, _: &'static Metadata<'static>) -> Interest {
+        Interest::sometimes()
+    }
+
     fn enabled(&self, meta: &Metadata<'_>, _: Context<'_, S>) -> bool {
         LOGGER.load(Ordering::Relaxed) != 0
             && nccl_level(meta.level()) <= i32::from(MAX_LEVEL.load(Ordering::Relaxed))
@@ -155,7 +162,10 @@ impl<S: Subscriber> Layer<S> for NcclLayer {
         let meta = event.metadata();
         let text = c_string(&render(event));
         let file = c_string(meta.file().unwrap_or("weft"));
-        let line = meta.line().and_then(|l| c_int::try_from(l).ok()).unwrap_or(0);
+        let line = meta
+            .line()
+            .and_then(|l| c_int::try_from(l).ok())
+            .unwrap_or(0);
         // SAFETY: NCCL's logger is a printf-like variadic function; the format
         // is the constant "%s" and the one argument is a NUL-terminated string
         // that outlives the call. `file` is NUL-terminated too.

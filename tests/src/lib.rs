@@ -11,7 +11,8 @@ pub const TEST_PARAMS: &[Param] = &[Param {
     name: "WEFT_TEST_TIMEOUT",
     default: "300",
     accepted: "seconds, decimals allowed, 0.1 ..= 3600",
-    meaning: "how long a test's poll loop waits for an event before failing (it prints the load average)",
+    meaning:
+        "how long a test's poll loop waits for an event before failing (it prints the load average)",
 }];
 
 /// The poll-loop timeout (`WEFT_TEST_TIMEOUT`, default 300 s).
@@ -132,6 +133,8 @@ pub mod capture {
                 };
                 (rc == 0).then(|| Line {
                     level,
+                    // c_ulong is u64 on LP64 but not everywhere.
+                    #[allow(clippy::useless_conversion)]
                     flags: u64::from(flags),
                     file: s(&file),
                     line,

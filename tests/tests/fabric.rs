@@ -18,7 +18,10 @@ fn open_pair(provider: &str) -> (Arc<Domain>, Side, Side) {
     let dev = &devs[0];
     assert_eq!(dev.provider, weft::config::canonical_provider(provider));
     if provider != "shm" {
-        assert_eq!(dev.domain, "lo", "tests must only use the loopback interface");
+        assert_eq!(
+            dev.domain, "lo",
+            "tests must only use the loopback interface"
+        );
     }
     let domain = Domain::open(dev.info.as_ref()).expect("open domain");
     let open = || {
@@ -27,8 +30,14 @@ fn open_pair(provider: &str) -> (Arc<Domain>, Side, Side) {
         Endpoint::open(&domain, &cq, &av).expect("open endpoint")
     };
     let (a, b) = (open(), open());
-    let pa = b.av().insert(&a.name().unwrap()).expect("insert a into b's av");
-    let pb = a.av().insert(&b.name().unwrap()).expect("insert b into a's av");
+    let pa = b
+        .av()
+        .insert(&a.name().unwrap())
+        .expect("insert a into b's av");
+    let pb = a
+        .av()
+        .insert(&b.name().unwrap())
+        .expect("insert b into a's av");
     (domain, Side { ep: a, peer: pb }, Side { ep: b, peer: pa })
 }
 
@@ -50,7 +59,13 @@ impl Seen {
     }
 
     /// Retries `post` while it says FI_EAGAIN, progressing in between.
-    fn post(&mut self, tx: &Side, rx: &Side, what: &str, mut post: impl FnMut() -> Result<(), FiError>) {
+    fn post(
+        &mut self,
+        tx: &Side,
+        rx: &Side,
+        what: &str,
+        mut post: impl FnMut() -> Result<(), FiError>,
+    ) {
         poll_until(what, || match post() {
             Ok(()) => Some(()),
             Err(e) if e.is_again() => {
@@ -65,7 +80,8 @@ impl Seen {
     fn wait_both(&mut self, tx: &Side, rx: &Side, what: &str) -> (Completion, Completion) {
         poll_until(what, || {
             self.progress(tx, rx);
-            (!self.tx.is_empty() && !self.rx.is_empty()).then(|| (self.tx.remove(0), self.rx.remove(0)))
+            (!self.tx.is_empty() && !self.rx.is_empty())
+                .then(|| (self.tx.remove(0), self.rx.remove(0)))
         })
     }
 }
@@ -84,23 +100,33 @@ fn exchange(provider: &str) {
                 Mr::register(&domain, dst.as_ptr(), dst.len(), ACCESS_ALL).expect("reg dst"),
             )
         };
-        let (sctx, rctx) = (1usize as *mut libc::c_void, 2usize as *mut libc::c_void);
-        // SAFETY: `dst` and `src` stay alive and untouched until wait_both
-        // returned both completions.
+        // Contexts are opaque tokens that come back in the completions.
+        let (mut sc_token, mut rc_token) = (0u8, 0u8);
+        let (sctx, rctx): (*mut libc::c_void, *mut libc::c_void) =
+            ((&raw mut sc_token).cast(), (&raw mut rc_token).cast());
         let mut seen = Seen::default();
         let dptr = dst.as_mut_ptr();
+        // SAFETY: `dst` and `src` (below) stay alive and untouched until
+        // wait_both has returned both completions.
         seen.post(&a, &b, "post trecv", || unsafe {
             b.ep.trecv(dptr, len, rmr.desc(), b.peer, tag, 0, rctx)
         });
+        // SAFETY: as above.
         seen.post(&a, &b, "post tsend", || unsafe {
             a.ep.tsend(src.as_ptr(), len, smr.desc(), a.peer, tag, sctx)
         });
         let (sc, rc) = seen.wait_both(&a, &b, &format!("{provider}: {len}-byte message"));
         assert_eq!(sc.op_context, sctx, "{provider}: send completion context");
-        assert_eq!(rc.op_context, rctx, "{provider}: receive completion context");
+        assert_eq!(
+            rc.op_context, rctx,
+            "{provider}: receive completion context"
+        );
         assert_eq!(rc.len, len, "{provider}: received length");
         assert_eq!(rc.tag, tag, "{provider}: received tag");
-        assert!(dst[..len] == src[..], "{provider}: {len}-byte payload differs");
+        assert!(
+            dst[..len] == src[..],
+            "{provider}: {len}-byte payload differs"
+        );
     }
 }
 
@@ -118,7 +144,10 @@ fn shm_exchanges_tagged_messages() {
 fn unknown_provider_is_a_clear_error() {
     let err = weft::device::discover(&loopback("no-such-provider")).unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("no-such-provider") && msg.contains("WEFT_PROVIDER"), "{msg}");
+    assert!(
+        msg.contains("no-such-provider") && msg.contains("WEFT_PROVIDER"),
+        "{msg}"
+    );
 }
 
 #[test]

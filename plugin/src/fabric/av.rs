@@ -49,10 +49,20 @@ impl Av {
         // shorter than that is rejected by the caller's handle checks before it
         // gets here; `addr` receives the result.
         let n = check("fi_av_insert", unsafe {
-            fi::fi_av_insert(self.ptr, name.as_ptr().cast(), 1, &mut addr, 0, ptr::null_mut())
+            fi::fi_av_insert(
+                self.ptr,
+                name.as_ptr().cast(),
+                1,
+                &mut addr,
+                0,
+                ptr::null_mut(),
+            )
         })?;
         if n != 1 || addr == fi::FI_ADDR_NOTAVAIL {
-            return Err(FiError::new("fi_av_insert", i64::from(fi::FI_EADDRNOTAVAIL)));
+            return Err(FiError::new(
+                "fi_av_insert",
+                i64::from(fi::FI_EADDRNOTAVAIL),
+            ));
         }
         Ok(addr)
     }
@@ -61,7 +71,9 @@ impl Av {
     pub fn remove(&self, addr: FiAddr) -> Result<(), FiError> {
         let mut a = addr;
         // SAFETY: AV is live; `a` is one address.
-        check("fi_av_remove", unsafe { fi::fi_av_remove(self.ptr, &mut a, 1, 0) })?;
+        check("fi_av_remove", unsafe {
+            fi::fi_av_remove(self.ptr, &mut a, 1, 0)
+        })?;
         Ok(())
     }
 

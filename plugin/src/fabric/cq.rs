@@ -105,7 +105,9 @@ impl Cq {
     fn read_error(&self) -> Result<CompletionError, FiError> {
         let mut e = fi::fi_cq_err_entry::default();
         // SAFETY: `e` is a zeroed err entry (err_data NULL, so the provider uses its own buffer).
-        check("fi_cq_readerr", unsafe { fi::fi_cq_readerr(self.ptr, &mut e, 0) })?;
+        check("fi_cq_readerr", unsafe {
+            fi::fi_cq_readerr(self.ptr, &mut e, 0)
+        })?;
         // SAFETY: fi_cq_strerror returns a NUL-terminated string owned by the CQ
         // (or static) that stays valid until the next call on this CQ; copied at once.
         let prov = unsafe {
@@ -116,7 +118,7 @@ impl Cq {
                 CStr::from_ptr(p).to_string_lossy().into_owned()
             }
         };
-        let err = u32::try_from(e.err.unsigned_abs()).unwrap_or(u32::MAX);
+        let err = e.err.unsigned_abs();
         Ok(CompletionError {
             context: e.op_context,
             err,

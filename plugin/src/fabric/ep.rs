@@ -58,7 +58,8 @@ impl Endpoint {
             let mut len = buf.len();
             // SAFETY: `buf` is writable for `len` bytes; libfabric writes at most
             // that and reports the needed length.
-            let ret = unsafe { fi::fi_getname(&mut (*self.ptr).fid, buf.as_mut_ptr().cast(), &mut len) };
+            let ret =
+                unsafe { fi::fi_getname(&mut (*self.ptr).fid, buf.as_mut_ptr().cast(), &mut len) };
             if ret == -(fi::FI_ETOOSMALL as i32) && len > buf.len() {
                 buf.resize(len, 0);
                 continue;
@@ -135,9 +136,16 @@ impl Endpoint {
 
     /// Cancels a posted operation by its context; its completion (if any) is
     /// reported as `FI_ECANCELED`.
-    pub fn cancel(&self, ctx: *mut libc::c_void) -> Result<(), FiError> {
-        // SAFETY: the endpoint is live; an unknown context is not an error.
-        check("fi_cancel", unsafe { fi::fi_cancel(&mut (*self.ptr).fid, ctx) }).map(drop)
+    ///
+    /// # Safety
+    /// `ctx` must be a context posted on this endpoint whose completion has
+    /// not been read yet (libfabric matches it against posted operations).
+    pub unsafe fn cancel(&self, ctx: *mut libc::c_void) -> Result<(), FiError> {
+        // SAFETY: the endpoint is live; the caller vouches for `ctx`.
+        check("fi_cancel", unsafe {
+            fi::fi_cancel(&mut (*self.ptr).fid, ctx)
+        })
+        .map(drop)
     }
 }
 

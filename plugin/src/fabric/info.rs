@@ -69,8 +69,6 @@ impl InfoList {
             (*(*p).ep_attr).type_ = hints.ep_type;
             (*(*p).domain_attr).mr_mode = i32::try_from(hints.mr_mode).unwrap_or(i32::MAX);
             (*(*p).domain_attr).threading = fi::fi_threading_FI_THREAD_SAFE;
-            (*(*p).domain_attr).control_progress = fi::fi_progress_FI_PROGRESS_UNSPEC;
-            (*(*p).domain_attr).data_progress = fi::fi_progress_FI_PROGRESS_UNSPEC;
             if let Some(name) = &hints.provider {
                 let c = CString::new(name.as_str())
                     .map_err(|_| FiError::new("fi_getinfo", i64::from(fi::FI_EINVAL)))?;

@@ -36,9 +36,9 @@ impl Mr {
         access: u64,
     ) -> Result<Self, FiError> {
         let mut ptr = ptr::null_mut();
+        let key = domain.requested_key();
         // SAFETY: the caller keeps the range mapped; domain is live; `ptr`
         // receives the MR.
-        let key = domain.requested_key();
         check("fi_mr_reg", unsafe {
             fi::fi_mr_reg(
                 domain.raw(),

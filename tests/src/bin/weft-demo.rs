@@ -76,7 +76,10 @@ fn main() -> ExitCode {
     );
     let code = match weft::device::discover(&config) {
         Ok(devs) => {
-            println!("  {:<4} {:<16} {:<10} {:<18} max message", "dev", "provider", "domain", "fabric");
+            println!(
+                "  {:<4} {:<16} {:<10} {:<18} max message",
+                "dev", "provider", "domain", "fabric"
+            );
             for d in devs {
                 println!(
                     "  {:<4} {:<16} {:<10} {:<18} {}",

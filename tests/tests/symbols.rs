@@ -1,0 +1,71 @@
+//! What the built plugin exports and the file names NCCL and RCCL look for.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The `.so` under test: `WEFT_TEST_PLUGIN`, else `libnccl_net_weft.so` in
+/// the target directory this test binary was built into.
+fn plugin() -> PathBuf {
+    if let Ok(p) = std::env::var("WEFT_TEST_PLUGIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/symbols-<hash>
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>")
+        .join("libnccl_net_weft.so")
+}
+
+#[test]
+fn exports_only_plugin_tables() {
+    let so = plugin();
+    assert!(
+        so.exists(),
+        "{} not built; run the README's test command",
+        so.display()
+    );
+    let out = Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(&so)
+        .output()
+        .expect("run nm (binutils)");
+    assert!(out.status.success(), "nm failed: {out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let exported: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split_whitespace().last())
+        .collect();
+    let foreign: Vec<&&str> = exported
+        .iter()
+        .filter(|s| {
+            let table = |p: &str| {
+                s.strip_prefix(p)
+                    .is_some_and(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+            };
+            !(table("ncclNetPlugin_v") || table("ncclCollNetPlugin_v"))
+        })
+        .collect();
+    assert!(
+        foreign.is_empty(),
+        "{} exports more than the plugin tables: {foreign:?}",
+        so.display()
+    );
+}
+
+#[test]
+fn nccl_and_rccl_names_are_laid_out_beside_the_cdylib() {
+    let so = plugin();
+    let dir = so.parent().expect("plugin dir");
+    let real = std::fs::canonicalize(&so).expect("plugin exists");
+    for name in ["libnccl-net-weft.so", "libnccl-net.so", "librccl-net.so"] {
+        let p = dir.join(name);
+        let target = std::fs::canonicalize(&p).unwrap_or_else(|e| {
+            panic!(
+                "{} missing ({e}); the README's commands lay it out",
+                p.display()
+            )
+        });
+        assert_eq!(target, real, "{name} must be the Weft plugin");
+    }
+}
