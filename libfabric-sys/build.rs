@@ -22,7 +22,13 @@ fn main() {
     {
         Ok(lib) => lib,
         Err(e) => {
-            let first = e.to_string().lines().next().unwrap_or_default().to_owned();
+            let text = e.to_string();
+            let first = text
+                .lines()
+                .map(str::trim)
+                .find(|l| !l.is_empty())
+                .unwrap_or("no detail")
+                .to_owned();
             fail(&format!(
                 "libfabric >= 1.17 not found by pkg-config ({first})"
             ))
@@ -58,7 +64,8 @@ fn main() {
     }
 
     // bindgen loads libclang at run time and panics when it is absent: turn that
-    // into the same one-line message.
+    // into the same one-line message (and keep the panic text off the screen).
+    std::panic::set_hook(Box::new(|_| {}));
     let generated =
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || builder.generate()));
     let bindings = match generated {
@@ -68,6 +75,7 @@ fn main() {
         )),
         Err(_) => fail("libclang not found (bindgen needs it)"),
     };
+    drop(std::panic::take_hook());
     bindings
         .write_to_file(out.join("bindings.rs"))
         .expect("write bindings.rs to OUT_DIR");
