@@ -14,4 +14,5 @@
 pub mod config;
 pub mod device;
 pub mod fabric;
+pub mod freelist;
 pub mod log;
