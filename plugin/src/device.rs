@@ -21,6 +21,10 @@ pub struct Device {
     pub fabric: String,
     /// Largest message one send carries.
     pub max_msg_size: usize,
+    /// Largest message `fi_tinject` accepts.
+    pub inject_size: usize,
+    /// Endpoints the domain supports (each comm uses one).
+    pub max_endpoints: usize,
     /// The `fi_info` to open it with.
     pub info: OwnedInfo,
 }
@@ -75,6 +79,8 @@ pub fn discover(config: &Config) -> Result<Vec<Device>, DiscoveryError> {
                 domain: domain.to_owned(),
                 fabric: info.fabric_name().to_owned(),
                 max_msg_size: info.max_msg_size(),
+                inject_size: info.inject_size(),
+                max_endpoints: info.max_endpoints(),
                 info: info.to_owned()?,
             });
         }

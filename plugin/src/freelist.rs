@@ -48,6 +48,10 @@ pub struct Elem {
     index: u32,
 }
 
+// SAFETY: an Elem is the exclusive claim on one slot of its list; whoever
+// holds it may use the buffer from any thread. The descriptor is a plain token.
+unsafe impl Send for Elem {}
+
 impl Elem {
     /// The element's index in its list (stable for the list's lifetime).
     pub fn index(&self) -> u32 {
@@ -306,7 +310,9 @@ impl<S: MemorySource, R: Registrar> Freelist<S, R> {
             why: e.to_string(),
         };
         self.blocks.try_reserve(1).map_err(reserve)?;
-        self.free.try_reserve(cap + n - self.free.len()).map_err(reserve)?;
+        self.free
+            .try_reserve(cap + n - self.free.len())
+            .map_err(reserve)?;
         #[cfg(debug_assertions)]
         self.state.try_reserve(self.per_block).map_err(reserve)?;
 
@@ -345,7 +351,8 @@ impl<S: MemorySource, R: Registrar> Freelist<S, R> {
         self.free.extend((first..first + count).rev());
         self.capacity += n;
         #[cfg(debug_assertions)]
-        self.state.extend(std::iter::repeat_n(State::Free, self.per_block));
+        self.state
+            .extend(std::iter::repeat_n(State::Free, self.per_block));
         Ok(())
     }
 
@@ -361,7 +368,11 @@ impl<S: MemorySource, R: Registrar> Freelist<S, R> {
         };
         #[cfg(debug_assertions)]
         {
-            debug_assert_eq!(self.state[index as usize], State::Free, "freelist corrupted");
+            debug_assert_eq!(
+                self.state[index as usize],
+                State::Free,
+                "freelist corrupted"
+            );
             self.state[index as usize] = State::InUse;
         }
         Ok(self.elem(index))
@@ -398,7 +409,7 @@ impl<S: MemorySource, R: Registrar> Freelist<S, R> {
         let i = index as usize;
         (i / self.per_block < self.blocks.len()
             && i % self.per_block < self.block_len(i / self.per_block))
-            .then(|| self.elem(index))
+        .then(|| self.elem(index))
     }
 
     /// Elements in block `b` (all but the last are full).
@@ -466,9 +477,11 @@ impl<S: MemorySource, R: Registrar> Drop for Freelist<S, R> {
             }
         }
         for b in self.blocks.drain(..) {
-            let Block { base, bytes, _reg, .. } = b;
+            let Block {
+                base, bytes, _reg, ..
+            } = b;
             drop(_reg); // deregister before the memory goes
-            // SAFETY: each block was allocated by this source with this size.
+                        // SAFETY: each block was allocated by this source with this size.
             unsafe { self.source.free(base, bytes) };
         }
     }
@@ -527,7 +540,10 @@ mod tests {
         assert_eq!(addrs.len(), 6);
         assert!(addrs.iter().all(|a| a % 64 == 0));
         assert_eq!(l.capacity(), 6, "second block is short: the bound is exact");
-        assert!(matches!(l.alloc(), Err(FreelistError::Exhausted { max: 6, .. })));
+        assert!(matches!(
+            l.alloc(),
+            Err(FreelistError::Exhausted { max: 6, .. })
+        ));
         assert!(l.try_alloc().is_none());
         let last = es[5].ptr;
         let mut es = es;
@@ -560,7 +576,11 @@ mod tests {
     fn double_free_is_detected() {
         let mut l = host(64, 4, 4);
         let e = l.alloc().unwrap();
-        let dup = Elem { ptr: e.ptr, mr: e.mr, index: e.index };
+        let dup = Elem {
+            ptr: e.ptr,
+            mr: e.mr,
+            index: e.index,
+        };
         l.free(e);
         l.free(dup);
     }
@@ -584,7 +604,9 @@ mod tests {
         unsafe { std::ptr::write_bytes(p.as_ptr(), 0, 64) };
         l.free(e);
         // SAFETY: the block is still mapped (the list is alive).
-        assert!(unsafe { std::slice::from_raw_parts(p.as_ptr(), 64) }.iter().all(|&b| b == 0xDB));
+        assert!(unsafe { std::slice::from_raw_parts(p.as_ptr(), 64) }
+            .iter()
+            .all(|&b| b == 0xDB));
     }
 
     /// A source that fails on demand and counts what it handed out, and a
@@ -630,7 +652,13 @@ mod tests {
                 return Err("injected registration failure".into());
             }
             self.1.set(self.1.get() + 1);
-            Ok(Some((Token(self.1), MrDesc { desc: p.as_ptr().cast(), key: 7 })))
+            Ok(Some((
+                Token(self.1),
+                MrDesc {
+                    desc: p.as_ptr().cast(),
+                    key: 7,
+                },
+            )))
         }
     }
 
@@ -640,10 +668,14 @@ mod tests {
         let (reg_fail, regs) = (Cell::new(false), Cell::new(0));
         let mut l = Freelist::new(&src, FlakyReg(&reg_fail, &regs), params(64, 4, 12)).unwrap();
         let a = l.alloc().unwrap();
-        let mr = a.mr.expect("registered list carries the block's descriptor");
+        let mr =
+            a.mr.expect("registered list carries the block's descriptor");
         let (cap, used) = (l.capacity(), l.in_use());
         let rest: Vec<Elem> = (0..3).map(|_| l.alloc().unwrap()).collect();
-        assert!(rest.iter().all(|e| e.mr == Some(mr)), "one registration per block");
+        assert!(
+            rest.iter().all(|e| e.mr == Some(mr)),
+            "one registration per block"
+        );
 
         src.fail.set(true);
         assert!(matches!(l.alloc(), Err(FreelistError::Alloc { .. })));
@@ -651,7 +683,11 @@ mod tests {
         reg_fail.set(true);
         assert!(matches!(l.alloc(), Err(FreelistError::Register { .. })));
         assert_eq!((l.capacity(), l.in_use()), (cap, used + 3));
-        assert_eq!(src.live.get(), 1, "the block of the failed registration was freed");
+        assert_eq!(
+            src.live.get(),
+            1,
+            "the block of the failed registration was freed"
+        );
         assert_eq!(regs.get(), 1);
 
         reg_fail.set(false);
@@ -663,7 +699,11 @@ mod tests {
             l.free(e);
         }
         drop(l);
-        assert_eq!((src.live.get(), regs.get()), (0, 0), "everything released on drop");
+        assert_eq!(
+            (src.live.get(), regs.get()),
+            (0, 0),
+            "everything released on drop"
+        );
     }
 
     proptest! {

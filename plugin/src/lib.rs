@@ -12,7 +12,10 @@
 //! built library and fails on any other exported symbol.
 
 pub mod config;
+pub mod core;
 pub mod device;
 pub mod fabric;
 pub mod freelist;
 pub mod log;
+pub mod mr;
+pub mod proto;

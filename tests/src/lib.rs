@@ -2,6 +2,8 @@
 //! logger, loopback configuration, and event-driven poll loops with generous
 //! timeouts (this machine is small and shared; tests never sleep to sync).
 
+pub mod host;
+
 use std::time::{Duration, Instant};
 
 use weft::config::{Config, Param};

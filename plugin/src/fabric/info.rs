@@ -206,6 +206,15 @@ impl<'a> InfoRef<'a> {
         // SAFETY: as above.
         unsafe { self.0.ep_attr.as_ref() }.map_or(0, |a| a.max_msg_size)
     }
+    /// Largest message `fi_tinject` accepts.
+    pub fn inject_size(&self) -> usize {
+        // SAFETY: as above.
+        unsafe { self.0.tx_attr.as_ref() }.map_or(0, |a| a.inject_size)
+    }
+    /// Endpoints the domain supports.
+    pub fn max_endpoints(&self) -> usize {
+        self.domain_attr().map_or(0, |a| a.ep_cnt)
+    }
     /// Memory-registration modes the provider requires.
     pub fn mr_mode(&self) -> u32 {
         self.domain_attr()

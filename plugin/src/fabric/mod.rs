@@ -22,7 +22,7 @@ pub use domain::{Domain, Fabric};
 pub use ep::Endpoint;
 pub use error::{strerror, FiError};
 pub use info::{Hints, InfoList, InfoRef, OwnedInfo};
-pub use mr::{Mr, ACCESS_ALL};
+pub use mr::{DomainRegistrar, Mr, ACCESS_ALL};
 
 /// Provider names as libfabric spells them.
 pub mod provider {

@@ -77,3 +77,25 @@ impl Drop for Mr {
         close_fid(unsafe { &mut (*self.ptr).fid }, "mr");
     }
 }
+
+/// Registers freelist blocks and cached ranges with a domain.
+#[derive(Debug, Clone)]
+pub struct DomainRegistrar(pub Arc<Domain>);
+
+impl crate::freelist::Registrar for DomainRegistrar {
+    type Registration = Mr;
+    unsafe fn register(
+        &self,
+        ptr: std::ptr::NonNull<u8>,
+        len: usize,
+    ) -> Result<Option<(Mr, crate::freelist::MrDesc)>, String> {
+        // SAFETY: forwarded contract: the range stays mapped while the Mr lives.
+        let mr = unsafe { Mr::register(&self.0, ptr.as_ptr(), len, ACCESS_ALL) }
+            .map_err(|e| e.to_string())?;
+        let d = crate::freelist::MrDesc {
+            desc: mr.desc(),
+            key: mr.key(),
+        };
+        Ok(Some((mr, d)))
+    }
+}

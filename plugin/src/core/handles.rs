@@ -1,0 +1,127 @@
+//! Validation of the pointers NCCL hands back.
+//!
+//! Every comm, context and memory handle given to NCCL is an `Arc` whose
+//! address is recorded here; a pointer NCCL passes in is looked up before
+//! anything is read through it, so a stale or foreign pointer is an error, not
+//! undefined behaviour. Requests live in per-comm pools; their address ranges
+//! map to the owning comm.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::c_void;
+use std::sync::{Arc, RwLock};
+
+/// Live objects of one kind, keyed by the address handed to NCCL.
+#[derive(Debug)]
+pub struct Registry<T> {
+    map: RwLock<HashMap<usize, Arc<T>>>,
+}
+
+impl<T> Default for Registry<T> {
+    fn default() -> Self {
+        Self {
+            map: RwLock::new(HashMap::new()),
+        }
+    }
+}
+
+impl<T> Registry<T> {
+    /// Records `v` and returns the pointer to give NCCL.
+    pub fn insert(&self, v: Arc<T>) -> *mut c_void {
+        let p = Arc::as_ptr(&v) as *mut c_void;
+        self.map
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(p as usize, v);
+        p
+    }
+    /// The live object at `p`, if `p` is one.
+    pub fn get(&self, p: *const c_void) -> Option<Arc<T>> {
+        self.map
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(p as usize))
+            .cloned()
+    }
+    /// Forgets and returns the object at `p`.
+    pub fn remove(&self, p: *const c_void) -> Option<Arc<T>> {
+        self.map
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(p as usize))
+    }
+    /// Live objects.
+    pub fn len(&self) -> usize {
+        self.map.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+    /// True when none are live.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Address ranges owned by an object (request pools -> their comm).
+#[derive(Debug)]
+pub struct RangeRegistry<T> {
+    map: RwLock<BTreeMap<usize, (usize, Arc<T>)>>,
+}
+
+impl<T> Default for RangeRegistry<T> {
+    fn default() -> Self {
+        Self {
+            map: RwLock::new(BTreeMap::new()),
+        }
+    }
+}
+
+impl<T> RangeRegistry<T> {
+    /// Records that `start..end` belongs to `owner`.
+    pub fn insert(&self, range: std::ops::Range<usize>, owner: Arc<T>) {
+        self.map
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(range.start, (range.end, owner));
+    }
+    /// The owner of the range containing `p`.
+    pub fn find(&self, p: *const c_void) -> Option<Arc<T>> {
+        let a = p as usize;
+        let map = self.map.read().unwrap_or_else(|e| e.into_inner());
+        let (_, (end, owner)) = map.range(..=a).next_back()?;
+        (a < *end).then(|| Arc::clone(owner))
+    }
+    /// Forgets the range starting at `start`.
+    pub fn remove(&self, start: usize) {
+        self.map
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&start);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registry_validates_pointers() {
+        let r = Registry::default();
+        let p = r.insert(Arc::new(5u32));
+        assert_eq!(*r.get(p).unwrap(), 5);
+        assert!(r.get(std::ptr::null()).is_none());
+        assert!(r.get((p as usize + 4) as *const c_void).is_none());
+        assert!(r.remove(p).is_some());
+        assert!(r.get(p).is_none(), "stale after removal");
+    }
+
+    #[test]
+    fn ranges_map_to_owners() {
+        let r = RangeRegistry::default();
+        r.insert(100..200, Arc::new('a'));
+        r.insert(300..310, Arc::new('b'));
+        assert_eq!(*r.find(150 as *const c_void).unwrap(), 'a');
+        assert_eq!(*r.find(300 as *const c_void).unwrap(), 'b');
+        assert!(r.find(200 as *const c_void).is_none());
+        assert!(r.find(99 as *const c_void).is_none());
+        r.remove(100);
+        assert!(r.find(150 as *const c_void).is_none());
+    }
+}

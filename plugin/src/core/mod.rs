@@ -1,0 +1,499 @@
+//! The version-free core every adapter calls.
+//!
+//! It speaks the newest semantics (per-communicator contexts, `size_t` sizes,
+//! grouped receives, profiler handles, traffic classes); older API versions are
+//! projections of it done by the adapters. Pointers handed to NCCL (contexts,
+//! comms, memory handles, requests) are recorded in [`handles`] registries and
+//! validated on the way back in. No version number appears here.
+
+pub mod error;
+pub mod handles;
+pub mod pool;
+pub mod props;
+
+use std::ffi::c_void;
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::Duration;
+
+pub use error::{Code, Error, Result};
+pub use props::Properties;
+
+use crate::config::{self, Config};
+use crate::device::{self, Device};
+use crate::fabric::{Domain, DomainRegistrar, Mr};
+use crate::log::NcclDebugLogger;
+use crate::mr::{MrCache, Region};
+pub use crate::proto::sendrecv::Done;
+use crate::proto::sendrecv::{ListenComm, RecvBuf, RecvComm, SendComm};
+use crate::proto::wire::{self, ListenHandle, HANDLE_SIZE};
+use handles::{RangeRegistry, Registry};
+
+/// One device with everything shared by its comms.
+#[derive(Debug)]
+pub struct DeviceState {
+    /// NCCL's index.
+    pub index: usize,
+    /// What discovery found.
+    pub dev: Device,
+    /// What `getProperties` reports.
+    pub props: Properties,
+    /// The domain every comm of the device uses.
+    pub domain: Arc<Domain>,
+    /// Registrations, shared by all comms of the device.
+    pub mr: MrCache<DomainRegistrar>,
+    /// `WEFT_EAGER_SIZE`.
+    pub eager_size: usize,
+    /// `WEFT_PEER_TIMEOUT`.
+    pub peer_timeout: Duration,
+}
+
+/// The process-wide state behind every context.
+#[derive(Debug)]
+pub struct Plugin {
+    /// The validated configuration.
+    pub config: Config,
+    /// Devices, by NCCL index.
+    pub devices: Vec<Arc<DeviceState>>,
+}
+
+/// A context: per communicator (v11+) or the one process context (older).
+#[derive(Debug)]
+pub struct Ctx {
+    /// `commId` (0 for the process context).
+    pub comm_id: u64,
+    /// The communicator's traffic class (-1: undefined).
+    pub traffic_class: i32,
+    /// NCCL's profiler callback (v10+), kept for profiler events.
+    pub profiler: Option<usize>,
+    plugin: Arc<Plugin>,
+}
+
+/// A memory handle: one reference to a cached registration.
+#[derive(Debug)]
+pub struct MrHandle {
+    dev: usize,
+    region: Mutex<Option<Arc<Region<Mr>>>>,
+}
+
+/// The owner of a request (for `test`).
+#[derive(Debug)]
+enum ReqOwner {
+    Send(Arc<SendComm>),
+    Recv(Arc<RecvComm>),
+}
+
+#[derive(Default)]
+struct Registries {
+    ctx: Registry<Ctx>,
+    listen: Registry<ListenComm>,
+    send: Registry<SendComm>,
+    recv: Registry<RecvComm>,
+    mr: Registry<MrHandle>,
+    req: RangeRegistry<ReqOwner>,
+}
+
+static REG: LazyLock<Registries> = LazyLock::new(Registries::default);
+static PLUGIN: Mutex<Option<Arc<Plugin>>> = Mutex::new(None);
+static PROCESS_CTX: Mutex<usize> = Mutex::new(0);
+
+fn plugin() -> Result<Arc<Plugin>> {
+    PLUGIN
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+        .ok_or_else(|| Error::internal("called before init"))
+}
+
+fn open_plugin() -> Result<Arc<Plugin>> {
+    let mut g = PLUGIN.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = &*g {
+        return Ok(Arc::clone(p));
+    }
+    let config = config::global()?.clone();
+    let found = device::discover(&config)?;
+    let mut devices = Vec::with_capacity(found.len());
+    for (index, dev) in found.into_iter().enumerate() {
+        let props = props::properties(index, &dev, &config);
+        let domain = Domain::open(dev.info.as_ref()).map_err(|e| {
+            Error::from(e).context(format!("opening device {index} ({})", dev.domain))
+        })?;
+        devices.push(Arc::new(DeviceState {
+            index,
+            props,
+            mr: MrCache::new(DomainRegistrar(Arc::clone(&domain))),
+            domain,
+            eager_size: config.eager_size,
+            peer_timeout: config.peer_timeout,
+            dev,
+        }));
+    }
+    let p = Arc::new(Plugin { config, devices });
+    *g = Some(Arc::clone(&p));
+    Ok(p)
+}
+
+/// What `init` receives, in the newest API's terms.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct InitArgs {
+    /// NCCL's logger.
+    pub logger: Option<NcclDebugLogger>,
+    /// NCCL's profiler callback (v10+), as an address.
+    pub profiler: Option<usize>,
+    /// The communicator id (v11+).
+    pub comm_id: u64,
+    /// The communicator's traffic class (v11+), -1 if undefined.
+    pub traffic_class: i32,
+}
+
+/// `init` (v11+): a new context.
+pub fn init(args: InitArgs) -> Result<*mut c_void> {
+    crate::log::set_logger(args.logger);
+    let plugin = open_plugin()?;
+    Ok(REG.ctx.insert(Arc::new(Ctx {
+        comm_id: args.comm_id,
+        traffic_class: args.traffic_class,
+        profiler: args.profiler,
+        plugin,
+    })))
+}
+
+/// `init` of API versions without contexts: sets up the process context once.
+pub fn init_process(logger: Option<NcclDebugLogger>, profiler: Option<usize>) -> Result<()> {
+    let mut g = PROCESS_CTX.lock().unwrap_or_else(|e| e.into_inner());
+    if *g != 0 {
+        crate::log::set_logger(logger);
+        return Ok(());
+    }
+    *g = init(InitArgs {
+        logger,
+        profiler,
+        comm_id: 0,
+        traffic_class: -1,
+    })? as usize;
+    Ok(())
+}
+
+/// The process context (`init_process` must have run).
+pub fn process_ctx() -> Result<*mut c_void> {
+    match *PROCESS_CTX.lock().unwrap_or_else(|e| e.into_inner()) {
+        0 => Err(Error::internal("called before init")),
+        p => Ok(p as *mut c_void),
+    }
+}
+
+/// `finalize(ctx)`.
+pub fn finalize(ctx: *mut c_void) -> Result<()> {
+    REG.ctx
+        .remove(ctx)
+        .map(drop)
+        .ok_or_else(|| Error::internal(format!("finalize: {ctx:p} is not a live Weft context")))
+}
+
+fn ctx(p: *mut c_void) -> Result<Arc<Ctx>> {
+    REG.ctx.get(p).ok_or_else(|| {
+        Error::internal(format!(
+            "{p:p} is not a live Weft context (finalized, or not from this plugin)"
+        ))
+    })
+}
+
+/// `devices()`.
+pub fn devices() -> Result<usize> {
+    Ok(plugin()?.devices.len())
+}
+
+fn device(plugin: &Plugin, dev: i32) -> Result<Arc<DeviceState>> {
+    usize::try_from(dev)
+        .ok()
+        .and_then(|d| plugin.devices.get(d))
+        .cloned()
+        .ok_or_else(|| {
+            Error::internal(format!(
+                "device {dev} does not exist: Weft has {} device(s)",
+                plugin.devices.len()
+            ))
+        })
+}
+
+/// `getProperties(dev)`.
+pub fn properties(dev: i32) -> Result<Properties> {
+    Ok(device(&*plugin()?, dev)?.props.clone())
+}
+
+/// `listen(ctx, dev, handle)`: never blocks.
+pub fn listen(ctx_p: *mut c_void, dev: i32, handle: &mut [u8; HANDLE_SIZE]) -> Result<*mut c_void> {
+    let c = ctx(ctx_p)?;
+    let d = device(&c.plugin, dev)?;
+    let (comm, h) = ListenComm::open(d)?;
+    h.encode(handle).map_err(|e| Error::system(e.to_string()))?;
+    Ok(REG.listen.insert(Arc::new(comm)))
+}
+
+/// `connect(ctx, dev, handle)`: one non-blocking step; `Some` once connected.
+/// `traffic_class` is the v10 per-connect config (None: the context's).
+pub fn connect(
+    ctx_p: *mut c_void,
+    dev: i32,
+    traffic_class: Option<i32>,
+    handle: &mut [u8; HANDLE_SIZE],
+) -> Result<Option<*mut c_void>> {
+    let c = ctx(ctx_p)?;
+    let stage = wire::read_stage(handle).map_err(|e| Error::internal(e.to_string()))?;
+    let (comm, p) = match stage {
+        None => {
+            let h = ListenHandle::decode(handle).map_err(|e| Error::internal(e.to_string()))?;
+            let d = device(&c.plugin, dev)?;
+            let comm = Arc::new(SendComm::start(
+                d,
+                &h,
+                traffic_class.unwrap_or(c.traffic_class),
+            )?);
+            let p = REG.send.insert(Arc::clone(&comm));
+            wire::write_stage(handle, Some(p as usize));
+            (comm, p)
+        }
+        Some(p) => {
+            let p = p as *mut c_void;
+            let comm = REG.send.get(p).ok_or_else(|| {
+                Error::internal("connect: the handle's connect stage names no connect in progress (handle reused or corrupted)")
+            })?;
+            (comm, p)
+        }
+    };
+    match comm.step_connect() {
+        Ok(true) => {
+            wire::write_stage(handle, None);
+            REG.req.insert(
+                comm.request_range(),
+                Arc::new(ReqOwner::Send(Arc::clone(&comm))),
+            );
+            Ok(Some(p))
+        }
+        Ok(false) => Ok(None),
+        Err(e) => {
+            REG.send.remove(p);
+            wire::write_stage(handle, None);
+            Err(e)
+        }
+    }
+}
+
+/// `accept(listenComm)`: one non-blocking step; `Some` once a peer connected.
+pub fn accept(listen: *mut c_void) -> Result<Option<*mut c_void>> {
+    let l = REG.listen.get(listen).ok_or_else(|| {
+        Error::internal(format!("accept: {listen:p} is not a live Weft listen comm"))
+    })?;
+    Ok(l.accept()?.map(|comm| {
+        REG.req.insert(
+            comm.request_range(),
+            Arc::new(ReqOwner::Recv(Arc::clone(&comm))),
+        );
+        REG.recv.insert(comm)
+    }))
+}
+
+/// The device of a send or receive comm.
+fn comm_device(comm: *mut c_void) -> Option<Arc<DeviceState>> {
+    REG.send
+        .get(comm)
+        .map(|c| Arc::clone(&c.dev))
+        .or_else(|| REG.recv.get(comm).map(|c| Arc::clone(&c.dev)))
+}
+
+/// `regMr(comm, data, size, type)`.
+pub fn reg_mr(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    ptr_type: i32,
+) -> Result<*mut c_void> {
+    let d = comm_device(comm).ok_or_else(|| {
+        Error::internal(format!(
+            "regMr: {comm:p} is not a live Weft send or receive comm"
+        ))
+    })?;
+    if ptr_type != props::PTR_HOST {
+        return Err(Error::usage(format!(
+            "regMr: memory type {ptr_type:#x} is not supported: this build registers host memory only (ptrSupport = NCCL_PTR_HOST)"
+        )));
+    }
+    if data.is_null() {
+        return Err(Error::internal("regMr: NULL address"));
+    }
+    // SAFETY: NCCL registers memory it owns and keeps mapped until deregMr.
+    let region =
+        unsafe { d.mr.register(data as usize, size) }.map_err(|e| Error::system(e.to_string()))?;
+    Ok(REG.mr.insert(Arc::new(MrHandle {
+        dev: d.index,
+        region: Mutex::new(Some(region)),
+    })))
+}
+
+/// `deregMr(comm, mhandle)`. Registrations belong to the device, so the comm
+/// argument is not needed (it may already be closed).
+pub fn dereg_mr(_comm: *mut c_void, mh: *mut c_void) -> Result<()> {
+    let h = REG.mr.remove(mh).ok_or_else(|| {
+        Error::internal(format!("deregMr: {mh:p} is not a live Weft memory handle"))
+    })?;
+    let region = h.region.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let (Some(r), Ok(p)) = (region, plugin()) {
+        if let Some(d) = p.devices.get(h.dev) {
+            d.mr.release(r);
+        }
+    }
+    Ok(())
+}
+
+/// The descriptor for `data..data+size` under `mh` on device `dev`.
+fn desc_for(
+    mh: *mut c_void,
+    dev: usize,
+    data: *const u8,
+    size: usize,
+    call: &str,
+) -> Result<*mut c_void> {
+    if mh.is_null() {
+        return Ok(std::ptr::null_mut());
+    }
+    let h = REG.mr.get(mh).ok_or_else(|| {
+        Error::internal(format!("{call}: {mh:p} is not a live Weft memory handle"))
+    })?;
+    if h.dev != dev {
+        return Err(Error::internal(format!(
+            "{call}: memory handle registered on device {} used on device {dev}",
+            h.dev
+        )));
+    }
+    let g = h.region.lock().unwrap_or_else(|e| e.into_inner());
+    let r = g
+        .as_ref()
+        .ok_or_else(|| Error::internal(format!("{call}: memory handle was deregistered")))?;
+    if !r.contains(data as usize, size) {
+        return Err(Error::internal(format!(
+            "{call}: buffer {data:p} + {size} bytes lies outside its registration {:#x?}",
+            r.range()
+        )));
+    }
+    Ok(r.desc().desc)
+}
+
+/// `isend(sendComm, data, size, tag, mhandle, phandle)`: `None` = retry later.
+pub fn isend(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    tag: i32,
+    mh: *mut c_void,
+) -> Result<Option<*mut c_void>> {
+    let c = REG
+        .send
+        .get(comm)
+        .ok_or_else(|| Error::internal(format!("isend: {comm:p} is not a live Weft send comm")))?;
+    let desc = desc_for(mh, c.dev.index, data.cast(), size, "isend")?;
+    c.isend(data.cast(), size, tag, desc)
+}
+
+/// One buffer of a grouped receive, as NCCL describes it.
+#[derive(Debug, Clone, Copy)]
+pub struct RecvArg {
+    /// Buffer.
+    pub data: *mut c_void,
+    /// Capacity.
+    pub size: usize,
+    /// Tag it accepts.
+    pub tag: i32,
+    /// Memory handle.
+    pub mhandle: *mut c_void,
+    /// Profiler handle (v10+).
+    pub phandle: *mut c_void,
+}
+
+/// `irecv(recvComm, n, ...)`: `None` = retry later.
+pub fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c_void>> {
+    let c = REG.recv.get(comm).ok_or_else(|| {
+        Error::internal(format!("irecv: {comm:p} is not a live Weft receive comm"))
+    })?;
+    let mut bufs = [RecvBuf {
+        data: std::ptr::null_mut(),
+        size: 0,
+        tag: 0,
+        desc: std::ptr::null_mut(),
+        phandle: std::ptr::null_mut(),
+    }; props::MAX_RECVS];
+    if args.is_empty() || args.len() > props::MAX_RECVS {
+        return Err(Error::internal(format!(
+            "irecv with n = {}: must be 1 ..= {}",
+            args.len(),
+            props::MAX_RECVS
+        )));
+    }
+    for (b, a) in bufs.iter_mut().zip(args) {
+        *b = RecvBuf {
+            data: a.data.cast(),
+            size: a.size,
+            tag: a.tag,
+            desc: desc_for(a.mhandle, c.dev.index, a.data.cast(), a.size, "irecv")?,
+            phandle: a.phandle,
+        };
+    }
+    c.irecv(&bufs[..args.len()])
+}
+
+/// `iflush(recvComm, ...)`: host memory needs no flush, so the request is
+/// NULL (NCCL treats that as complete).
+pub fn iflush(comm: *mut c_void, n: usize) -> Result<Option<*mut c_void>> {
+    if REG.recv.get(comm).is_none() {
+        return Err(Error::internal(format!(
+            "iflush: {comm:p} is not a live Weft receive comm"
+        )));
+    }
+    if n == 0 || n > props::MAX_RECVS {
+        return Err(Error::internal(format!(
+            "iflush with n = {n}: must be 1 ..= {}",
+            props::MAX_RECVS
+        )));
+    }
+    Ok(None)
+}
+
+/// `test(request)`: `Some` once done (the request is then freed).
+pub fn test(req: *mut c_void) -> Result<Option<Done>> {
+    let owner = REG.req.find(req).ok_or_else(|| {
+        Error::internal(format!(
+            "test: {req:p} is not a Weft request (stale or foreign pointer)"
+        ))
+    })?;
+    match &*owner {
+        ReqOwner::Send(c) => c.test(req.cast()),
+        ReqOwner::Recv(c) => c.test(req.cast()),
+    }
+}
+
+/// `closeSend`.
+pub fn close_send(comm: *mut c_void) -> Result<()> {
+    let c = REG.send.remove(comm).ok_or_else(|| {
+        Error::internal(format!("closeSend: {comm:p} is not a live Weft send comm"))
+    })?;
+    REG.req.remove(c.request_range().start);
+    Ok(())
+}
+
+/// `closeRecv`.
+pub fn close_recv(comm: *mut c_void) -> Result<()> {
+    let c = REG.recv.remove(comm).ok_or_else(|| {
+        Error::internal(format!(
+            "closeRecv: {comm:p} is not a live Weft receive comm"
+        ))
+    })?;
+    REG.req.remove(c.request_range().start);
+    Ok(())
+}
+
+/// `closeListen`.
+pub fn close_listen(comm: *mut c_void) -> Result<()> {
+    REG.listen.remove(comm).map(drop).ok_or_else(|| {
+        Error::internal(format!(
+            "closeListen: {comm:p} is not a live Weft listen comm"
+        ))
+    })
+}

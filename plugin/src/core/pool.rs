@@ -1,0 +1,158 @@
+//! A typed pool on top of a [`Freelist`]: fixed slots, allocated once, whose
+//! addresses are the handles given to NCCL (requests).
+
+use std::marker::PhantomData;
+use std::ptr::NonNull;
+
+use crate::freelist::{Freelist, FreelistError, HostPages, NoRegistration, Params};
+
+/// Slots are aligned to this, leaving the low bits of a slot address free to
+/// carry a sub-operation index in libfabric contexts.
+pub const SLOT_ALIGN: usize = 64;
+
+/// `max` slots of `T` in one block of host pages.
+pub struct Pool<T: Copy> {
+    list: Freelist<HostPages, NoRegistration>,
+    live: Vec<bool>,
+    range: std::ops::Range<usize>,
+    _t: PhantomData<T>,
+}
+
+impl<T: Copy> std::fmt::Debug for Pool<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("range", &self.range)
+            .field("in_use", &self.list.in_use())
+            .finish()
+    }
+}
+
+impl<T: Copy> Pool<T> {
+    /// Allocates all `max` slots up front (one block), so the pool's address
+    /// range is fixed for its lifetime.
+    pub fn new(max: usize) -> Result<Self, FreelistError> {
+        const { assert!(std::mem::align_of::<T>() <= SLOT_ALIGN) };
+        let mut list = Freelist::new(
+            HostPages,
+            NoRegistration,
+            Params {
+                elem_size: std::mem::size_of::<T>().max(1),
+                align: SLOT_ALIGN,
+                elems_per_block: max,
+                max_elems: max,
+            },
+        )?;
+        list.grow()?;
+        let first = list
+            .elem_at(0)
+            .expect("one block was allocated")
+            .ptr
+            .as_ptr() as usize;
+        let range = first..first + max * list.elem_size();
+        Ok(Self {
+            list,
+            live: vec![false; max],
+            range,
+            _t: PhantomData,
+        })
+    }
+
+    /// The address range of all slots.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.range.clone()
+    }
+
+    /// Stores `v` in a free slot; `None` when all are in use.
+    pub fn insert(&mut self, v: T) -> Option<(NonNull<T>, u32)> {
+        let e = self.list.try_alloc()?;
+        let p = e.ptr.cast::<T>();
+        // SAFETY: the slot is ours, aligned for T and at least size_of::<T>() long.
+        unsafe { p.as_ptr().write(v) };
+        self.live[e.index() as usize] = true;
+        Some((p, e.index()))
+    }
+
+    /// The slot whose address is `p`, whether live or not.
+    pub fn index_of(&self, p: *const u8) -> Option<u32> {
+        if !self.range.contains(&(p as usize)) {
+            return None;
+        }
+        self.list.index_of(p)
+    }
+
+    /// The address of slot `i`.
+    pub fn ptr(&self, i: u32) -> Option<NonNull<T>> {
+        self.list.elem_at(i).map(|e| e.ptr.cast())
+    }
+
+    /// A live slot's value.
+    pub fn get_mut(&mut self, i: u32) -> Option<&mut T> {
+        if !*self.live.get(i as usize)? {
+            return None;
+        }
+        let p = self.ptr(i)?;
+        // SAFETY: live slots hold an initialised T written by `insert`; the
+        // pool is borrowed mutably, so this is the only reference.
+        Some(unsafe { &mut *p.as_ptr() })
+    }
+
+    /// Frees a live slot, returning its value.
+    pub fn remove(&mut self, i: u32) -> Option<T> {
+        let v = *self.get_mut(i)?;
+        self.live[i as usize] = false;
+        self.list.free(self.list.elem_at(i)?);
+        Some(v)
+    }
+
+    /// Indices of live slots.
+    pub fn live(&self) -> impl Iterator<Item = u32> + '_ {
+        self.live
+            .iter()
+            .enumerate()
+            .filter(|(_, &l)| l)
+            .map(|(i, _)| i as u32)
+    }
+
+    /// Slots in use.
+    pub fn in_use(&self) -> usize {
+        self.list.in_use()
+    }
+
+    /// Frees every live slot (comm teardown with requests in flight).
+    pub fn clear(&mut self) {
+        let live: Vec<u32> = self.live().collect();
+        for i in live {
+            self.remove(i);
+        }
+    }
+}
+
+impl<T: Copy> Drop for Pool<T> {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_aligned_bounded_and_validated() {
+        let mut p: Pool<[u64; 3]> = Pool::new(4).unwrap();
+        let (a, ia) = p.insert([1, 2, 3]).unwrap();
+        assert_eq!(a.as_ptr() as usize % SLOT_ALIGN, 0);
+        assert!(p.range().contains(&(a.as_ptr() as usize)));
+        assert_eq!(p.index_of(a.as_ptr().cast()), Some(ia));
+        assert_eq!(p.index_of((a.as_ptr() as usize + 8) as *const u8), None);
+        let rest: Vec<_> = (0..3).map(|i| p.insert([i; 3]).unwrap()).collect();
+        assert!(p.insert([0; 3]).is_none(), "bounded");
+        assert_eq!(p.remove(ia), Some([1, 2, 3]));
+        assert!(p.get_mut(ia).is_none(), "freed slot is not live");
+        assert!(p.remove(ia).is_none(), "no double free");
+        assert_eq!(p.in_use(), 3);
+        drop(rest);
+        p.clear();
+        assert_eq!(p.in_use(), 0);
+    }
+}

@@ -1,0 +1,187 @@
+//! Device properties: the superset of every `ncclNetProperties_vN_t` field.
+
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+
+use crate::config::Config;
+use crate::device::Device;
+
+/// `NCCL_PTR_HOST`.
+pub const PTR_HOST: i32 = 0x1;
+/// `NCCL_PTR_CUDA`.
+pub const PTR_CUDA: i32 = 0x2;
+/// Largest `n` of a grouped receive (NCCL's IB transport uses 8 too).
+pub const MAX_RECVS: usize = 8;
+/// `NCCL_NET_MAX_REQUESTS` since NCCL 2.19.
+pub const MAX_REQUESTS: usize = 32;
+/// NCCL's own fallback speed when a NIC reports none (Mbit/s).
+pub const DEFAULT_SPEED_MBPS: i32 = 10_000;
+/// `NCCL_MAX_NET_SIZE_BYTES`: NCCL refuses `maxP2pBytes` above 1 TiB.
+pub const MAX_NET_SIZE_BYTES: usize = 1 << 40;
+/// Capacity of `vProps.devs` in the newest API.
+pub const MAX_DEVS_PER_NIC: usize = 8;
+
+/// Everything any API version reports for a device.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Properties {
+    /// Unique per device (NCCL keys its topology on it).
+    pub name: CString,
+    /// The NIC's PCI path in sysfs, when it has one.
+    pub pci_path: Option<CString>,
+    /// Same value = same NIC chip.
+    pub guid: u64,
+    /// `NCCL_PTR_*` bits.
+    pub ptr_support: i32,
+    /// 1: an mhandle is valid on every comm of the device.
+    pub reg_is_global: i32,
+    /// 1 would force `iflush` on every GPU receive.
+    pub force_flush: i32,
+    /// Mbit/s.
+    pub speed: i32,
+    /// Port number.
+    pub port: i32,
+    /// Microseconds.
+    pub latency: f32,
+    /// Comms (endpoints) the device can hold.
+    pub max_comms: i32,
+    /// Largest grouped-receive `n`.
+    pub max_recvs: i32,
+    /// `ncclNetDeviceType` (0 = host).
+    pub net_device_type: i32,
+    /// Device-offload version (0 = none).
+    pub net_device_version: i32,
+    /// Physical children: `{1, [dev]}` for a physical device.
+    pub vdevs: Vec<i32>,
+    /// Largest p2p message.
+    pub max_p2p_bytes: usize,
+    /// Largest CollNet operation.
+    pub max_coll_bytes: usize,
+    /// Largest multi-request (adapters use 1).
+    pub max_multi_request_size: i32,
+    /// Rail id (-1: undefined).
+    pub rail_id: i16,
+    /// Plane id (-1: undefined).
+    pub plane_id: i16,
+}
+
+/// FNV-1a 64 over a device's identity: the same NIC gives the same guid.
+fn guid(provider: &str, domain: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in provider.bytes().chain([0]).chain(domain.bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// The sysfs directory of the device behind a libfabric domain, if any.
+fn sysfs_device(provider: &str, domain: &str) -> Option<PathBuf> {
+    let dev = if provider.starts_with("tcp") || provider.starts_with("sockets") {
+        Path::new("/sys/class/net").join(domain).join("device")
+    } else if provider.starts_with("verbs") || provider.starts_with("efa") {
+        // verbs domains are the RDMA device name; efa appends -rdm/-dgrm.
+        let name = domain.trim_end_matches("-rdm").trim_end_matches("-dgrm");
+        Path::new("/sys/class/infiniband").join(name).join("device")
+    } else {
+        return None;
+    };
+    let mut p = std::fs::canonicalize(dev).ok()?;
+    // Walk up from a virtual child (virtio0, ...) to the PCI function.
+    while !p
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(is_pci_address)
+    {
+        if !p.pop() || p == Path::new("/sys/devices") {
+            return None;
+        }
+    }
+    Some(p)
+}
+
+/// `dddd:bb:dd.f`.
+fn is_pci_address(s: &str) -> bool {
+    let b = s.as_bytes();
+    b.len() == 12
+        && b[4] == b':'
+        && b[7] == b':'
+        && b[10] == b'.'
+        && s.chars()
+            .enumerate()
+            .all(|(i, c)| matches!(i, 4 | 7 | 10) || c.is_ascii_hexdigit())
+}
+
+/// The link speed in Mbit/s from sysfs (`None` where unknown: lo, virtio).
+fn sysfs_speed(provider: &str, domain: &str) -> Option<i32> {
+    if !(provider.starts_with("tcp") || provider.starts_with("sockets")) {
+        return None;
+    }
+    let s = std::fs::read_to_string(Path::new("/sys/class/net").join(domain).join("speed")).ok()?;
+    s.trim().parse::<i32>().ok().filter(|&v| v > 0)
+}
+
+/// Computes the properties of device `index`.
+pub fn properties(index: usize, dev: &Device, config: &Config) -> Properties {
+    let speed = match config.link_speed_mbps {
+        Some(s) => i32::try_from(s).unwrap_or(i32::MAX),
+        None => sysfs_speed(&dev.provider, &dev.domain).unwrap_or_else(|| {
+            tracing::info!(
+                target: "weft::init",
+                "device {index} ({}): link speed unknown to sysfs, reporting {DEFAULT_SPEED_MBPS} Mbps (set WEFT_LINK_SPEED_MBPS to override)",
+                dev.domain
+            );
+            DEFAULT_SPEED_MBPS
+        }),
+    };
+    let pci = sysfs_device(&dev.provider, &dev.domain)
+        .and_then(|p| CString::new(p.to_string_lossy().into_owned()).ok());
+    let max_bytes = dev.max_msg_size.clamp(1, MAX_NET_SIZE_BYTES);
+    Properties {
+        name: CString::new(dev.domain.replace('\0', "")).unwrap_or_default(),
+        pci_path: pci,
+        guid: guid(&dev.provider, &dev.domain),
+        ptr_support: PTR_HOST,
+        reg_is_global: 1,
+        force_flush: 0,
+        speed,
+        port: 1,
+        latency: 0.0,
+        max_comms: i32::try_from(dev.max_endpoints).unwrap_or(i32::MAX).max(1),
+        max_recvs: MAX_RECVS as i32,
+        net_device_type: 0,
+        net_device_version: 0,
+        vdevs: vec![i32::try_from(index).unwrap_or(i32::MAX)],
+        max_p2p_bytes: max_bytes,
+        max_coll_bytes: max_bytes,
+        max_multi_request_size: 1,
+        rail_id: -1,
+        plane_id: -1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pci_addresses() {
+        assert!(is_pci_address("0000:00:03.0"));
+        assert!(is_pci_address("0000:af:00.1"));
+        assert!(!is_pci_address("virtio0"));
+        assert!(!is_pci_address("pci0000:00"));
+    }
+
+    #[test]
+    fn guid_is_stable_and_distinct() {
+        assert_eq!(guid("tcp;ofi_rxm", "lo"), guid("tcp;ofi_rxm", "lo"));
+        assert_ne!(guid("tcp;ofi_rxm", "lo"), guid("tcp;ofi_rxm", "eth0"));
+        assert_ne!(guid("a", "bc"), guid("ab", "c"));
+    }
+
+    #[test]
+    fn loopback_has_no_pci_path_or_speed() {
+        assert_eq!(sysfs_device("tcp;ofi_rxm", "lo"), None);
+        assert_eq!(sysfs_speed("tcp;ofi_rxm", "lo"), None);
+        assert_eq!(sysfs_device("shm", "shm"), None);
+    }
+}

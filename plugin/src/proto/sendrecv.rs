@@ -1,0 +1,879 @@
+//! The SENDRECV protocol: NCCL messages as libfabric tagged messages.
+//!
+//! **Endpoints.** Every comm has an endpoint, CQ and AV of its own, on the
+//! device's shared domain (so registrations are valid on every comm of a
+//! device). A listener's endpoint only receives handshake messages.
+//!
+//! **Handshake** (never blocks; `connect`/`accept` are polled):
+//! 1. `connect` opens its endpoint S, posts control receives, and injects
+//!    `Conn{listener nonce, conn nonce, S}` to the listener L.
+//! 2. `accept` reads the Conn, opens the receive endpoint R and injects
+//!    `Ack{conn nonce, credits, R}` from R to S.
+//! 3. `connect` reads the Ack; data then flows S -> R.
+//!
+//! Each pair of endpoints is connected by one side only (S->L, then R->S; S
+//! only sends to R after R's Ack arrived over that connection), so the
+//! simultaneous-connect livelock of tcp;ofi_rxm (libfabric #9052) cannot occur.
+//!
+//! **Tags.** Data uses NCCL's tag (32 bits) as the libfabric tag, so grouped
+//! receives match by tag and, per tag, in posting order (FIFO per comm).
+//! Control messages set bit 63, which data tags never do.
+//!
+//! **Credits.** A sender may have at most `credits` messages that the receiver
+//! has not yet matched (256 = 32 requests x 8 receives); the receiver returns
+//! them in batches as its receives complete. So however fast a sender runs,
+//! the receiver's provider buffers at most `credits` unexpected messages per
+//! comm (rxm buffers each unexpected eager message, up to 16 KiB). An `isend`
+//! without credit returns a NULL request, as NCCL allows.
+
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use libfabric_sys as fi;
+
+use super::wire::{Ctrl, ListenHandle, CTRL_MAX};
+use crate::core::pool::{Pool, SLOT_ALIGN};
+use crate::core::props::{MAX_RECVS, MAX_REQUESTS};
+use crate::core::{DeviceState, Error, Result};
+use crate::fabric::DomainRegistrar;
+use crate::fabric::{Av, Completion, CompletionError, Cq, CqError, Endpoint, FiAddr, FiError};
+use crate::freelist::{Elem, Freelist, HostPages, Params};
+
+/// Tag bit reserved for control messages.
+pub const CTRL_TAG: u64 = 1 << 63;
+/// Messages a sender may have unmatched at the receiver.
+pub const CREDITS: u32 = (MAX_REQUESTS * MAX_RECVS) as u32;
+/// Credits are returned once this many are owed.
+pub const CREDIT_BATCH: u32 = CREDITS / 4;
+/// Control receives kept posted per endpoint.
+const CTRL_POSTED: usize = 4;
+/// Completions read per `fi_cq_read`.
+const CQ_BATCH: usize = 16;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A random 64-bit nonce from the kernel.
+pub fn nonce() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most b.len() bytes into `b`.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != 8 {
+        // Fall back on time and address entropy; nonces only need to differ.
+        let t = Instant::now().elapsed().as_nanos() as u64 ^ (std::process::id() as u64) << 32;
+        return t ^ (&b as *const _ as u64);
+    }
+    u64::from_le_bytes(b)
+}
+
+/// One endpoint with its CQ and AV on a device's domain.
+fn open_endpoint(dev: &DeviceState) -> Result<Endpoint> {
+    let cq = Cq::open(&dev.domain, 0)?;
+    let av = Av::open(&dev.domain)?;
+    Ok(Endpoint::open(&dev.domain, &cq, &av)?)
+}
+
+/// Registered buffers kept posted for control messages.
+struct CtrlBufs {
+    list: Freelist<HostPages, DomainRegistrar>,
+    posted: Vec<Elem>,
+}
+
+impl CtrlBufs {
+    fn new(dev: &DeviceState, ep: &Endpoint) -> Result<Self> {
+        let mut list = Freelist::new(
+            HostPages,
+            DomainRegistrar(Arc::clone(&dev.domain)),
+            Params {
+                elem_size: CTRL_MAX,
+                align: SLOT_ALIGN,
+                elems_per_block: CTRL_POSTED,
+                max_elems: CTRL_POSTED,
+            },
+        )
+        .map_err(|e| Error::system(e.to_string()))?;
+        let mut posted = Vec::with_capacity(CTRL_POSTED);
+        for _ in 0..CTRL_POSTED {
+            posted.push(list.alloc().map_err(|e| Error::system(e.to_string()))?);
+        }
+        let me = Self { list, posted };
+        for i in 0..CTRL_POSTED {
+            me.post(ep, i)?;
+        }
+        Ok(me)
+    }
+
+    fn post(&self, ep: &Endpoint, i: usize) -> Result<()> {
+        let e = &self.posted[i];
+        let desc = e.mr.map_or(std::ptr::null_mut(), |m| m.desc);
+        // SAFETY: the buffer is CTRL_MAX bytes of registered memory owned by
+        // this list, which outlives the endpoint (fields drop ep first); the
+        // context is the buffer's own address.
+        unsafe {
+            ep.trecv(
+                e.ptr.as_ptr(),
+                CTRL_MAX,
+                desc,
+                fi::FI_ADDR_UNSPEC,
+                CTRL_TAG,
+                0,
+                e.ptr.as_ptr().cast(),
+            )
+        }
+        .map_err(Error::from)
+    }
+
+    /// Which posted buffer a completion context names.
+    fn find(&self, ctx: *mut c_void) -> Option<usize> {
+        self.posted
+            .iter()
+            .position(|e| e.ptr.as_ptr().cast() == ctx)
+    }
+
+    fn bytes(&self, i: usize, len: usize) -> &[u8] {
+        // SAFETY: the buffer is CTRL_MAX bytes; the provider finished writing
+        // `len` of them when it reported the completion.
+        unsafe { std::slice::from_raw_parts(self.posted[i].ptr.as_ptr(), len.min(CTRL_MAX)) }
+    }
+}
+
+impl Drop for CtrlBufs {
+    fn drop(&mut self) {
+        for e in self.posted.drain(..) {
+            self.list.free(e);
+        }
+    }
+}
+
+/// Injects a control message.
+fn send_ctrl(ep: &Endpoint, to: FiAddr, msg: &Ctrl) -> std::result::Result<(), FiError> {
+    let mut b = [0u8; CTRL_MAX];
+    let n = msg.encode(&mut b);
+    ep.tinject(&b[..n], to, CTRL_TAG)
+}
+
+/// What happened to one sub-operation that failed.
+#[derive(Debug, Clone, Copy)]
+struct ReqErr {
+    fi_err: u32,
+    len: usize,
+    olen: usize,
+    tag: u64,
+    sub: u8,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Send,
+    Recv,
+}
+
+/// One receive buffer of a grouped receive.
+#[derive(Debug, Clone, Copy)]
+pub struct RecvBuf {
+    /// Where the message goes.
+    pub data: *mut u8,
+    /// Its capacity.
+    pub size: usize,
+    /// The sender's tag it accepts.
+    pub tag: i32,
+    /// Registration descriptor (NULL when the provider needs none).
+    pub desc: *mut c_void,
+    /// NCCL profiler handle (kept, v10+).
+    pub phandle: *mut c_void,
+}
+
+// SAFETY: the pointers are addresses of NCCL's buffers, descriptors and
+// profiler handles, only handed to libfabric or back to NCCL, never
+// dereferenced by Weft; they are valid from any thread.
+unsafe impl Send for RecvBuf {}
+
+/// A request in a comm's pool; its address is the handle NCCL tests.
+#[derive(Debug, Clone, Copy)]
+struct Request {
+    kind: Kind,
+    n: u8,
+    remaining: u8,
+    sizes: [usize; MAX_RECVS],
+    bufs: [RecvBuf; MAX_RECVS],
+    err: Option<ReqErr>,
+}
+
+const NO_BUF: RecvBuf = RecvBuf {
+    data: std::ptr::null_mut(),
+    size: 0,
+    tag: 0,
+    desc: std::ptr::null_mut(),
+    phandle: std::ptr::null_mut(),
+};
+
+/// The result of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Done {
+    /// Buffers (1 for a send).
+    pub n: usize,
+    /// Bytes moved per buffer.
+    pub sizes: [usize; MAX_RECVS],
+}
+
+fn decode_ctx(ctx: *mut c_void) -> (*const u8, u8) {
+    let a = ctx as usize;
+    (
+        (a & !(SLOT_ALIGN - 1)) as *const u8,
+        (a & (SLOT_ALIGN - 1)) as u8,
+    )
+}
+
+/// Turns a failed sub-operation into the error `test` reports.
+fn req_error(kind: Kind, e: ReqErr, peer: &str) -> Error {
+    let what = if kind == Kind::Send {
+        "send"
+    } else {
+        "receive"
+    };
+    if e.fi_err == fi::FI_ETRUNC {
+        let tag = e.tag as u32 as i32;
+        let msg = format!(
+            "message truncated: the peer {peer} sent {} bytes with tag {tag} into receive buffer {} of {} bytes; \
+             NCCL never sends more than the receiver posted, so both ranks must run the same NCCL",
+            e.len + e.olen,
+            e.sub,
+            e.len
+        );
+        tracing::warn!("{msg}");
+        return Error::internal(msg);
+    }
+    let msg = format!(
+        "{what} to/from peer {peer} failed: {} (fi errno {})",
+        crate::fabric::strerror(e.fi_err),
+        e.fi_err
+    );
+    tracing::warn!("{msg}");
+    Error::remote(msg)
+}
+
+fn completion_err(e: &CompletionError) -> ReqErr {
+    ReqErr {
+        fi_err: e.err,
+        len: e.len,
+        olen: e.olen,
+        tag: e.tag,
+        sub: 0,
+    }
+}
+
+// ---------------------------------------------------------------- listen
+
+/// A listening comm.
+pub struct ListenComm {
+    pub(crate) dev: Arc<DeviceState>,
+    nonce: u64,
+    inner: Mutex<ListenState>,
+}
+
+struct Pending {
+    comm: Arc<RecvComm>,
+    to: FiAddr,
+    ack: Ctrl,
+    deadline: Instant,
+}
+
+struct ListenState {
+    // Field order is drop order: the endpoint closes before its buffers go.
+    ep: Endpoint,
+    ctrl: CtrlBufs,
+    pending: Vec<Pending>,
+    ready: VecDeque<Arc<RecvComm>>,
+}
+
+impl std::fmt::Debug for ListenComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ListenComm(dev {})", self.dev.index)
+    }
+}
+
+impl ListenComm {
+    /// Opens a listener on `dev` and returns it with its handle.
+    pub fn open(dev: Arc<DeviceState>) -> Result<(Self, ListenHandle)> {
+        let ep = open_endpoint(&dev)?;
+        let ctrl = CtrlBufs::new(&dev, &ep)?;
+        let handle = ListenHandle {
+            nonce: nonce(),
+            addr: ep.name()?,
+        };
+        Ok((
+            Self {
+                dev,
+                nonce: handle.nonce,
+                inner: Mutex::new(ListenState {
+                    ep,
+                    ctrl,
+                    pending: Vec::new(),
+                    ready: VecDeque::new(),
+                }),
+            },
+            handle,
+        ))
+    }
+
+    /// One accept step: a receive comm when a connection is complete.
+    pub fn accept(&self) -> Result<Option<Arc<RecvComm>>> {
+        let mut st = lock(&self.inner);
+        let st = &mut *st;
+        let mut c = [Completion::default(); CQ_BATCH];
+        loop {
+            let n = match st.ep.cq().read(&mut c) {
+                Ok(n) => n,
+                Err(CqError::Completion(e)) => {
+                    // A control receive failed (e.g. an oversized message):
+                    // nothing of ours is lost; repost and carry on.
+                    tracing::warn!(
+                        "listener on device {}: dropped a bad handshake message: {e}",
+                        self.dev.index
+                    );
+                    if let Some(i) = st.ctrl.find(e.context) {
+                        st.ctrl.post(&st.ep, i)?;
+                    }
+                    continue;
+                }
+                Err(CqError::Fi(e)) => return Err(e.into()),
+            };
+            if n == 0 {
+                break;
+            }
+            for comp in &c[..n] {
+                let Some(i) = st.ctrl.find(comp.op_context) else {
+                    return Err(Error::internal(
+                        "listener: completion for an unknown buffer",
+                    ));
+                };
+                let msg = Ctrl::decode(st.ctrl.bytes(i, comp.len));
+                st.ctrl.post(&st.ep, i)?;
+                match msg {
+                    Ok(Ctrl::Conn { listener, conn, addr }) if listener == self.nonce => {
+                        let comm = Arc::new(RecvComm::open(Arc::clone(&self.dev))?);
+                        let to = lock(&comm.inner).ep.av().insert(&addr).map_err(|e| {
+                            Error::remote(format!("connecting peer sent an unusable address: {e}"))
+                        })?;
+                        lock(&comm.inner).peer = to;
+                        let ack = Ctrl::Ack {
+                            conn,
+                            credits: CREDITS,
+                            addr: lock(&comm.inner).ep.name()?,
+                        };
+                        st.pending.push(Pending {
+                            comm,
+                            to,
+                            ack,
+                            deadline: Instant::now() + self.dev.peer_timeout,
+                        });
+                    }
+                    Ok(Ctrl::Conn { listener, .. }) => tracing::warn!(
+                        "listener on device {}: ignored a connection meant for listener {listener:#x} (stale handle?)",
+                        self.dev.index
+                    ),
+                    Ok(other) => tracing::warn!("listener: ignored unexpected control message {other:?}"),
+                    Err(e) => tracing::warn!("listener on device {}: ignored a bad handshake message: {e}", self.dev.index),
+                }
+            }
+        }
+        // Send the Acks that are due.
+        let mut i = 0;
+        while i < st.pending.len() {
+            let p = &st.pending[i];
+            let sent = send_ctrl(&lock(&p.comm.inner).ep, p.to, &p.ack);
+            match sent {
+                Ok(()) => {
+                    let p = st.pending.swap_remove(i);
+                    st.ready.push_back(p.comm);
+                }
+                Err(e) if e.is_again() && Instant::now() < p.deadline => {
+                    // Let the new endpoint make progress on its connection.
+                    let _ = lock(&p.comm.inner).progress();
+                    i += 1;
+                }
+                Err(e) => {
+                    tracing::warn!("accept: could not answer a connecting peer, dropped it: {e}");
+                    st.pending.swap_remove(i);
+                }
+            }
+        }
+        Ok(st.ready.pop_front())
+    }
+}
+
+// ---------------------------------------------------------------- send
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    SendConn,
+    AwaitAck,
+    Ready,
+}
+
+/// A sending comm (also the state of a `connect` in progress).
+pub struct SendComm {
+    pub(crate) dev: Arc<DeviceState>,
+    /// NCCL's traffic class for this connection (-1: undefined). Kept; no
+    /// provider in use here applies one.
+    pub traffic_class: i32,
+    inner: Mutex<SendState>,
+}
+
+struct SendState {
+    ep: Endpoint,
+    ctrl: CtrlBufs,
+    reqs: Pool<Request>,
+    phase: Phase,
+    listener: FiAddr,
+    listener_nonce: u64,
+    conn: u64,
+    peer: FiAddr,
+    credits: u32,
+    max_credits: u32,
+    deadline: Instant,
+    eager: usize,
+}
+
+impl std::fmt::Debug for SendComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SendComm(dev {})", self.dev.index)
+    }
+}
+
+impl SendComm {
+    /// Starts connecting to the listener named by `handle`.
+    pub fn start(dev: Arc<DeviceState>, handle: &ListenHandle, traffic_class: i32) -> Result<Self> {
+        let ep = open_endpoint(&dev)?;
+        let ctrl = CtrlBufs::new(&dev, &ep)?;
+        let listener = ep.av().insert(&handle.addr).map_err(|e| {
+            Error::internal(format!("the handle's listener address is unusable: {e}"))
+        })?;
+        let reqs = Pool::new(MAX_REQUESTS * MAX_RECVS).map_err(|e| Error::system(e.to_string()))?;
+        let eager = dev.eager_size.min(dev.dev.inject_size);
+        let deadline = Instant::now() + dev.peer_timeout;
+        Ok(Self {
+            dev,
+            traffic_class,
+            inner: Mutex::new(SendState {
+                ep,
+                ctrl,
+                reqs,
+                phase: Phase::SendConn,
+                listener,
+                listener_nonce: handle.nonce,
+                conn: nonce(),
+                peer: fi::FI_ADDR_NOTAVAIL,
+                credits: 0,
+                max_credits: 0,
+                deadline,
+                eager,
+            }),
+        })
+    }
+
+    /// The address range of this comm's requests.
+    pub fn request_range(&self) -> std::ops::Range<usize> {
+        lock(&self.inner).reqs.range()
+    }
+
+    /// One connect step: `Ok(true)` once connected.
+    pub fn step_connect(&self) -> Result<bool> {
+        let mut st = lock(&self.inner);
+        if st.phase == Phase::SendConn {
+            let msg = Ctrl::Conn {
+                listener: st.listener_nonce,
+                conn: st.conn,
+                addr: st.ep.name()?,
+            };
+            match send_ctrl(&st.ep, st.listener, &msg) {
+                Ok(()) => st.phase = Phase::AwaitAck,
+                Err(e) if e.is_again() => {}
+                Err(e) => {
+                    return Err(Error::remote(format!(
+                        "connect: cannot reach the listener: {e}"
+                    )))
+                }
+            }
+        }
+        st.progress()?;
+        if st.phase == Phase::Ready {
+            return Ok(true);
+        }
+        if Instant::now() > st.deadline {
+            return Err(Error::remote(format!(
+                "connect: no answer from the listener within {:.1} s (WEFT_PEER_TIMEOUT): is the peer process alive and using the same Weft?",
+                self.dev.peer_timeout.as_secs_f64()
+            )));
+        }
+        Ok(false)
+    }
+
+    /// Posts a send; `Ok(None)` when out of credits or requests (retry later).
+    pub fn isend(
+        &self,
+        data: *const u8,
+        size: usize,
+        tag: i32,
+        desc: *mut c_void,
+    ) -> Result<Option<*mut c_void>> {
+        let mut st = lock(&self.inner);
+        if st.phase != Phase::Ready {
+            return Err(Error::internal(
+                "isend on a comm whose connect has not finished",
+            ));
+        }
+        if st.credits == 0 {
+            st.progress()?;
+            if st.credits == 0 {
+                return Ok(None);
+            }
+        }
+        let mut req = Request {
+            kind: Kind::Send,
+            n: 1,
+            remaining: 1,
+            sizes: [0; MAX_RECVS],
+            bufs: [NO_BUF; MAX_RECVS],
+            err: None,
+        };
+        req.sizes[0] = size;
+        let inject = size <= st.eager;
+        if inject {
+            req.remaining = 0;
+        }
+        let Some((ptr, idx)) = st.reqs.insert(req) else {
+            st.progress()?;
+            return Ok(None);
+        };
+        let tag = u64::from(tag as u32);
+        let posted = if inject {
+            // SAFETY: NCCL guarantees `data..data+size` is readable (checked
+            // against its registration by the caller); fi_tinject copies it now.
+            let bytes = unsafe { std::slice::from_raw_parts(data, size) };
+            st.ep.tinject(bytes, st.peer, tag)
+        } else {
+            // SAFETY: the buffer stays valid until NCCL sees the request done,
+            // which is after its completion; ptr is this request's slot.
+            unsafe {
+                st.ep
+                    .tsend(data, size, desc, st.peer, tag, ptr.as_ptr().cast())
+            }
+        };
+        match posted {
+            Ok(()) => {
+                st.credits -= 1;
+                Ok(Some(ptr.as_ptr().cast()))
+            }
+            Err(e) => {
+                st.reqs.remove(idx);
+                if e.is_again() {
+                    st.progress()?;
+                    Ok(None)
+                } else {
+                    Err(Error::remote(format!("isend of {size} bytes failed: {e}")))
+                }
+            }
+        }
+    }
+
+    /// Tests a request of this comm.
+    pub fn test(&self, req: *const u8) -> Result<Option<Done>> {
+        let mut st = lock(&self.inner);
+        test_request(&mut st.reqs, req, "send")?;
+        st.progress()?;
+        finish(&mut st.reqs, req, "peer")
+    }
+}
+
+impl SendState {
+    fn progress(&mut self) -> Result<()> {
+        let mut c = [Completion::default(); CQ_BATCH];
+        loop {
+            let n = match self.ep.cq().read(&mut c) {
+                Ok(n) => n,
+                Err(CqError::Completion(e)) => {
+                    if let Some(i) = self.ctrl.find(e.context) {
+                        tracing::warn!("send comm: dropped a bad control message: {e}");
+                        self.ctrl.post(&self.ep, i)?;
+                    } else {
+                        let (slot, _) = decode_ctx(e.context);
+                        let idx = self.reqs.index_of(slot);
+                        match idx.and_then(|i| self.reqs.get_mut(i)) {
+                            Some(r) => {
+                                r.err = Some(completion_err(&e));
+                                r.remaining = 0;
+                            }
+                            None => {
+                                return Err(Error::system(format!(
+                                    "send comm: error for an unknown operation: {e}"
+                                )))
+                            }
+                        }
+                    }
+                    continue;
+                }
+                Err(CqError::Fi(e)) => return Err(e.into()),
+            };
+            if n == 0 {
+                return Ok(());
+            }
+            for comp in &c[..n] {
+                if comp.flags & u64::from(fi::FI_RECV) != 0 {
+                    self.on_ctrl(comp)?;
+                } else {
+                    let (slot, _) = decode_ctx(comp.op_context);
+                    match self.reqs.index_of(slot).and_then(|i| self.reqs.get_mut(i)) {
+                        Some(r) => r.remaining = r.remaining.saturating_sub(1),
+                        None => {
+                            return Err(Error::system(
+                                "send comm: completion for an unknown request",
+                            ))
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_ctrl(&mut self, comp: &Completion) -> Result<()> {
+        let Some(i) = self.ctrl.find(comp.op_context) else {
+            return Err(Error::system(
+                "send comm: completion for an unknown control buffer",
+            ));
+        };
+        let msg = Ctrl::decode(self.ctrl.bytes(i, comp.len));
+        self.ctrl.post(&self.ep, i)?;
+        match msg {
+            Ok(Ctrl::Credit { count }) if self.phase == Phase::Ready => {
+                // A peer can never grant more than it announced.
+                self.credits = self.credits.saturating_add(count).min(self.max_credits);
+            }
+            Ok(Ctrl::Ack {
+                conn,
+                credits,
+                addr,
+            }) if self.phase == Phase::AwaitAck && conn == self.conn => {
+                self.peer = self.ep.av().insert(&addr).map_err(|e| {
+                    Error::remote(format!("the accepting peer sent an unusable address: {e}"))
+                })?;
+                self.max_credits = credits.clamp(1, CREDITS);
+                self.credits = self.max_credits;
+                self.phase = Phase::Ready;
+            }
+            Ok(other) => tracing::warn!("send comm: ignored unexpected control message {other:?}"),
+            Err(e) => tracing::warn!("send comm: ignored a bad control message: {e}"),
+        }
+        Ok(())
+    }
+}
+
+/// Checks that `req` is the start of a live request slot of `reqs`.
+fn test_request(reqs: &mut Pool<Request>, req: *const u8, what: &str) -> Result<u32> {
+    reqs.index_of(req)
+        .filter(|&i| reqs.get_mut(i).is_some())
+        .ok_or_else(|| Error::internal(format!("test: {req:p} is not a live {what} request (already completed, or not from this plugin)")))
+}
+
+/// Completes `req` if it is done: frees it and returns its sizes or error.
+fn finish(reqs: &mut Pool<Request>, req: *const u8, peer: &str) -> Result<Option<Done>> {
+    let i = test_request(reqs, req, "")?;
+    let r = *reqs.get_mut(i).expect("checked live");
+    if r.remaining > 0 {
+        return Ok(None);
+    }
+    reqs.remove(i);
+    if let Some(e) = r.err {
+        return Err(req_error(r.kind, e, peer));
+    }
+    Ok(Some(Done {
+        n: usize::from(r.n),
+        sizes: r.sizes,
+    }))
+}
+
+// ---------------------------------------------------------------- recv
+
+/// A receiving comm.
+pub struct RecvComm {
+    pub(crate) dev: Arc<DeviceState>,
+    inner: Mutex<RecvState>,
+}
+
+struct RecvState {
+    ep: Endpoint,
+    reqs: Pool<Request>,
+    peer: FiAddr,
+    /// Sub-receives not yet posted (FI_EAGAIN), in order.
+    to_post: VecDeque<(u32, u8)>,
+    owed: u32,
+}
+
+impl std::fmt::Debug for RecvComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RecvComm(dev {})", self.dev.index)
+    }
+}
+
+impl RecvComm {
+    fn open(dev: Arc<DeviceState>) -> Result<Self> {
+        let ep = open_endpoint(&dev)?;
+        let reqs = Pool::new(MAX_REQUESTS).map_err(|e| Error::system(e.to_string()))?;
+        Ok(Self {
+            dev,
+            inner: Mutex::new(RecvState {
+                ep,
+                reqs,
+                peer: fi::FI_ADDR_NOTAVAIL,
+                to_post: VecDeque::with_capacity(MAX_REQUESTS * MAX_RECVS),
+                owed: 0,
+            }),
+        })
+    }
+
+    /// The address range of this comm's requests.
+    pub fn request_range(&self) -> std::ops::Range<usize> {
+        lock(&self.inner).reqs.range()
+    }
+
+    /// Posts a grouped receive; `Ok(None)` when all requests are in use.
+    pub fn irecv(&self, bufs: &[RecvBuf]) -> Result<Option<*mut c_void>> {
+        if bufs.is_empty() || bufs.len() > MAX_RECVS {
+            return Err(Error::internal(format!(
+                "irecv with n = {}: must be 1 ..= {MAX_RECVS} (maxRecvs)",
+                bufs.len()
+            )));
+        }
+        let mut st = lock(&self.inner);
+        let mut req = Request {
+            kind: Kind::Recv,
+            n: bufs.len() as u8,
+            remaining: bufs.len() as u8,
+            sizes: [0; MAX_RECVS],
+            bufs: [NO_BUF; MAX_RECVS],
+            err: None,
+        };
+        req.bufs[..bufs.len()].copy_from_slice(bufs);
+        let Some((ptr, idx)) = st.reqs.insert(req) else {
+            st.progress()?;
+            return Ok(None);
+        };
+        for sub in 0..bufs.len() as u8 {
+            st.to_post.push_back((idx, sub));
+        }
+        st.post_pending()?;
+        st.progress()?;
+        Ok(Some(ptr.as_ptr().cast()))
+    }
+
+    /// Tests a request of this comm.
+    pub fn test(&self, req: *const u8) -> Result<Option<Done>> {
+        let mut st = lock(&self.inner);
+        test_request(&mut st.reqs, req, "receive")?;
+        st.progress()?;
+        finish(&mut st.reqs, req, "peer")
+    }
+}
+
+impl RecvState {
+    fn post_pending(&mut self) -> Result<()> {
+        while let Some(&(idx, sub)) = self.to_post.front() {
+            let Some(slot) = self.reqs.ptr(idx) else {
+                self.to_post.pop_front();
+                continue;
+            };
+            let Some(r) = self.reqs.get_mut(idx) else {
+                self.to_post.pop_front();
+                continue;
+            };
+            let b = r.bufs[usize::from(sub)];
+            let ctx = (slot.as_ptr() as usize + usize::from(sub)) as *mut c_void;
+            // SAFETY: NCCL keeps the buffer valid until the request completes;
+            // the context names this request's slot and sub-receive.
+            let posted = unsafe {
+                self.ep.trecv(
+                    b.data,
+                    b.size,
+                    b.desc,
+                    self.peer,
+                    u64::from(b.tag as u32),
+                    0,
+                    ctx,
+                )
+            };
+            match posted {
+                Ok(()) => {
+                    self.to_post.pop_front();
+                }
+                Err(e) if e.is_again() => return Ok(()),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    fn progress(&mut self) -> Result<()> {
+        let mut c = [Completion::default(); CQ_BATCH];
+        loop {
+            let n = match self.ep.cq().read(&mut c) {
+                Ok(n) => n,
+                Err(CqError::Completion(e)) => {
+                    let (slot, sub) = decode_ctx(e.context);
+                    match self.reqs.index_of(slot).and_then(|i| self.reqs.get_mut(i)) {
+                        Some(r) => {
+                            if r.err.is_none() {
+                                r.err = Some(ReqErr {
+                                    sub,
+                                    ..completion_err(&e)
+                                });
+                            }
+                            r.remaining = r.remaining.saturating_sub(1);
+                            self.owed += 1;
+                        }
+                        None => {
+                            return Err(Error::system(format!(
+                                "receive comm: error for an unknown operation: {e}"
+                            )))
+                        }
+                    }
+                    continue;
+                }
+                Err(CqError::Fi(e)) => return Err(e.into()),
+            };
+            if n == 0 {
+                break;
+            }
+            for comp in &c[..n] {
+                let (slot, sub) = decode_ctx(comp.op_context);
+                match self.reqs.index_of(slot).and_then(|i| self.reqs.get_mut(i)) {
+                    Some(r) if usize::from(sub) < usize::from(r.n) => {
+                        r.sizes[usize::from(sub)] = comp.len;
+                        r.remaining = r.remaining.saturating_sub(1);
+                        self.owed += 1;
+                    }
+                    _ => {
+                        return Err(Error::system(
+                            "receive comm: completion for an unknown request",
+                        ))
+                    }
+                }
+            }
+        }
+        self.post_pending()?;
+        if self.owed >= CREDIT_BATCH {
+            match send_ctrl(&self.ep, self.peer, &Ctrl::Credit { count: self.owed }) {
+                Ok(()) => self.owed = 0,
+                Err(e) if e.is_again() => {}
+                Err(e) => {
+                    return Err(Error::remote(format!(
+                        "returning credits to the sender failed: {e}"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+}

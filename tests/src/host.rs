@@ -1,0 +1,132 @@
+//! Drives the core API the way NCCL's proxy does: poll loops for connect and
+//! accept, NULL requests retried, `test` until done. Used by the in-process
+//! tests, the two-process peer and the stress test.
+
+use std::ffi::c_void;
+
+use weft::core::{self, Done, RecvArg};
+use weft::proto::wire::HANDLE_SIZE;
+
+use crate::poll_until;
+
+/// Points the plugin at `provider` on loopback. Call before the first init of
+/// a process (nextest runs every test in a process of its own).
+pub fn configure(provider: &str) {
+    std::env::set_var("WEFT_PROVIDER", provider);
+    std::env::set_var("WEFT_IFACE", "lo");
+    if std::env::var_os("WEFT_PEER_TIMEOUT").is_none() {
+        std::env::set_var("WEFT_PEER_TIMEOUT", "60");
+    }
+}
+
+/// A context for `provider` (the first call in a process fixes the provider).
+pub fn init(provider: &str) -> *mut c_void {
+    configure(provider);
+    core::init(core::InitArgs {
+        traffic_class: -1,
+        ..Default::default()
+    })
+    .unwrap_or_else(|e| panic!("init over {provider}: {e}"))
+}
+
+/// listen on device 0.
+pub fn listen(ctx: *mut c_void) -> ([u8; HANDLE_SIZE], *mut c_void) {
+    let mut h = [0u8; HANDLE_SIZE];
+    let l = core::listen(ctx, 0, &mut h).expect("listen");
+    (h, l)
+}
+
+/// Polls connect and accept together (both sides in one thread) until both
+/// return comms.
+pub fn connect_pair(
+    ctx: *mut c_void,
+    handle: &mut [u8; HANDLE_SIZE],
+    listen: *mut c_void,
+) -> (*mut c_void, *mut c_void) {
+    let (mut s, mut r) = (None, None);
+    poll_until("connect + accept", || {
+        if s.is_none() {
+            s = core::connect(ctx, 0, None, handle).expect("connect");
+        }
+        if r.is_none() {
+            r = core::accept(listen).expect("accept");
+        }
+        Some((s?, r?))
+    })
+}
+
+/// Polls connect alone (the listener is in another process).
+pub fn connect(ctx: *mut c_void, handle: &mut [u8; HANDLE_SIZE]) -> *mut c_void {
+    poll_until("connect", || {
+        core::connect(ctx, 0, None, handle).expect("connect")
+    })
+}
+
+/// Polls accept alone.
+pub fn accept(listen: *mut c_void) -> *mut c_void {
+    poll_until("accept", || core::accept(listen).expect("accept"))
+}
+
+/// Registers a host buffer on `comm`.
+pub fn reg(comm: *mut c_void, buf: &[u8]) -> *mut c_void {
+    core::reg_mr(comm, buf.as_ptr() as *mut c_void, buf.len(), 1).expect("regMr")
+}
+
+/// Posts a send, retrying while the plugin returns a NULL request.
+pub fn isend(comm: *mut c_void, buf: &[u8], tag: i32, mh: *mut c_void) -> *mut c_void {
+    poll_until("isend request", || {
+        core::isend(comm, buf.as_ptr() as *mut c_void, buf.len(), tag, mh).expect("isend")
+    })
+}
+
+/// Posts a grouped receive, retrying while the plugin returns a NULL request.
+pub fn irecv(
+    comm: *mut c_void,
+    bufs: &mut [&mut [u8]],
+    tags: &[i32],
+    mhs: &[*mut c_void],
+) -> *mut c_void {
+    let args: Vec<RecvArg> = bufs
+        .iter_mut()
+        .zip(tags)
+        .zip(mhs)
+        .map(|((b, &tag), &mh)| RecvArg {
+            data: b.as_mut_ptr().cast(),
+            size: b.len(),
+            tag,
+            mhandle: mh,
+            phandle: std::ptr::null_mut(),
+        })
+        .collect();
+    poll_until("irecv request", || core::irecv(comm, &args).expect("irecv"))
+}
+
+/// Tests until done.
+pub fn wait(req: *mut c_void) -> Done {
+    poll_until("request completion", || core::test(req).expect("test"))
+}
+
+/// Tests two requests until both are done (one thread drives both ends).
+pub fn wait2(a: *mut c_void, b: *mut c_void) -> (Done, Done) {
+    let (mut da, mut db) = (None, None);
+    poll_until("two completions", || {
+        if da.is_none() {
+            da = core::test(a).expect("test");
+        }
+        if db.is_none() {
+            db = core::test(b).expect("test");
+        }
+        Some((da?, db?))
+    })
+}
+
+/// A deterministic payload: byte i of message `seq` with tag `tag`.
+pub fn pattern(seq: u64, tag: i32, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            (i as u64)
+                .wrapping_mul(31)
+                .wrapping_add(seq * 7 + tag as u64) as u8
+        })
+        .collect()
+}
