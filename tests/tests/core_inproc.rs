@@ -16,7 +16,7 @@ fn exchange_sizes(provider: &str) {
         let src = pattern(seq as u64, 3, len + 1);
         let src = &src[..len];
         let mut dst = vec![0u8; len + 100];
-        let smh = reg(s, &src[..]);
+        let smh = reg(s, src);
         let rmh = reg(r, &dst);
         let rq = irecv(r, &mut [&mut dst[..]], &[3], &[rmh]);
         let sq = isend(s, src, 3, smh);
@@ -46,4 +46,351 @@ fn tcp_sizes() {
 #[test]
 fn shm_sizes() {
     exchange_sizes("shm");
+}
+
+/// Grouped receive with n = maxRecvs: each buffer gets the message with its
+/// tag, whatever order the sends go in; per tag, FIFO.
+fn grouped(provider: &str) {
+    let ctx = init(provider);
+    let (mut h, l) = listen(ctx);
+    let (s, r) = connect_pair(ctx, &mut h, l);
+    core::close_listen(l).unwrap();
+    let props = core::properties(0).unwrap();
+    let n = props.max_recvs as usize;
+    assert_eq!(n, 8);
+    let tags: Vec<i32> = (0..n as i32).map(|t| 100 + t).collect();
+    let mut bufs: Vec<Vec<u8>> = (0..n).map(|i| vec![0u8; 2000 + i]).collect();
+    let rmhs: Vec<_> = bufs.iter().map(|b| reg(r, b)).collect();
+    // Two rounds in flight at once: round 0 and round 1 use the same tags.
+    let mut bufs2: Vec<Vec<u8>> = (0..n).map(|i| vec![0u8; 2000 + i]).collect();
+    let rmhs2: Vec<_> = bufs2.iter().map(|b| reg(r, b)).collect();
+    let rq = {
+        let mut v: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        irecv(r, &mut v, &tags, &rmhs)
+    };
+    let rq2 = {
+        let mut v: Vec<&mut [u8]> = bufs2.iter_mut().map(|b| &mut b[..]).collect();
+        irecv(r, &mut v, &tags, &rmhs2)
+    };
+    // Send in reverse tag order, round 0 then round 1, message size = 10 * tag.
+    let msgs: Vec<(u64, i32, Vec<u8>)> = (0..2u64)
+        .flat_map(|round| {
+            tags.iter()
+                .rev()
+                .map(move |&t| (round, t, pattern(round, t, 10 * t as usize)))
+        })
+        .collect();
+    let mhs: Vec<_> = msgs.iter().map(|(_, _, m)| reg(s, m)).collect();
+    let sends: Vec<_> = msgs
+        .iter()
+        .zip(&mhs)
+        .map(|((_, t, m), &mh)| isend(s, m, *t, mh))
+        .collect();
+    for q in sends {
+        wait(q);
+    }
+    for (round, q, bufs) in [(0u64, rq, &bufs), (1, rq2, &bufs2)] {
+        let d = wait(q);
+        assert_eq!(d.n, n);
+        for (i, &t) in tags.iter().enumerate() {
+            let len = 10 * t as usize;
+            assert_eq!(d.sizes[i], len, "{provider}: round {round} buffer {i} size");
+            assert!(
+                bufs[i][..len] == pattern(round, t, len)[..],
+                "{provider}: round {round} tag {t} landed in the wrong buffer or order"
+            );
+        }
+    }
+    for mh in mhs.into_iter().chain(rmhs).chain(rmhs2) {
+        core::dereg_mr(s, mh).unwrap();
+    }
+    core::close_send(s).unwrap();
+    core::close_recv(r).unwrap();
+}
+
+#[test]
+fn tcp_grouped_receives() {
+    grouped("tcp");
+}
+
+#[test]
+fn shm_grouped_receives() {
+    grouped("shm");
+}
+
+/// A message larger than the posted receive is an error from test() on
+/// tcp;ofi_rxm (FI_ETRUNC), and nothing is written past the buffer.
+#[test]
+fn tcp_truncation_is_an_error() {
+    let ctx = init("tcp");
+    let (mut h, l) = listen(ctx);
+    let (s, r) = connect_pair(ctx, &mut h, l);
+    for len in [100_000usize, 100] {
+        let src = pattern(1, 5, len);
+        let mut dst = vec![0x5Au8; len / 2 + 64];
+        let smh = reg(s, &src);
+        let rmh = reg(r, &dst);
+        let rq = {
+            let (head, _guard) = dst.split_at_mut(len / 2);
+            irecv(r, &mut [head], &[5], &[rmh])
+        };
+        // One thread drives both ends: every loop progresses both comms
+        // (rxm's rendezvous needs the sender's progress too).
+        let (mut sq, mut err, mut sent) = (None, None, false);
+        weft_tests::poll_until("truncated receive and its send", || {
+            if sq.is_none() {
+                sq = core::isend(s, src.as_ptr() as *mut _, len, 5, smh).unwrap();
+            }
+            if let Some(q) = sq.filter(|_| !sent) {
+                // The send may complete, or fail once the receiver refused it.
+                sent = !matches!(core::test(q), Ok(None));
+            }
+            if err.is_none() {
+                match core::test(rq) {
+                    Ok(None) => {}
+                    Ok(Some(d)) => panic!("truncated receive completed: {d:?}"),
+                    Err(e) => err = Some(e),
+                }
+            }
+            (sent && err.is_some()).then_some(())
+        });
+        let err = err.unwrap();
+        assert_eq!(err.code, core::Code::Internal, "{err}");
+        assert!(
+            err.msg.contains("truncated") && err.msg.contains(&format!("of {} bytes", len / 2)),
+            "{err}"
+        );
+        assert!(
+            dst[len / 2..].iter().all(|&b| b == 0x5A),
+            "bytes written past the receive buffer"
+        );
+        core::dereg_mr(s, smh).unwrap();
+        core::dereg_mr(r, rmh).unwrap();
+    }
+    core::close_send(s).unwrap();
+    core::close_recv(r).unwrap();
+    core::close_listen(l).unwrap();
+}
+
+#[test]
+fn properties_are_complete_and_bounded() {
+    init("tcp");
+    assert_eq!(
+        core::devices().unwrap(),
+        1,
+        "WEFT_IFACE=lo keeps one device"
+    );
+    let p = core::properties(0).unwrap();
+    assert_eq!(p.name.to_str().unwrap(), "lo");
+    assert_eq!(p.pci_path, None, "lo has no PCI device");
+    assert_eq!(p.ptr_support, 1);
+    assert_eq!(p.reg_is_global, 1);
+    assert_eq!(p.force_flush, 0);
+    assert_eq!(
+        p.speed, 10_000,
+        "lo's speed is unknown to sysfs: NCCL's default"
+    );
+    assert_eq!(p.max_recvs, 8);
+    assert!(p.max_comms > 0);
+    assert!(p.max_p2p_bytes > 0 && p.max_p2p_bytes <= 1 << 40);
+    assert_eq!(p.vdevs, vec![0]);
+    assert_eq!((p.rail_id, p.plane_id), (-1, -1));
+    for bad in [-1, 1, 1000] {
+        let e = core::properties(bad).unwrap_err();
+        assert_eq!(e.code, core::Code::Internal);
+        assert!(e.msg.contains("does not exist"), "{e}");
+    }
+}
+
+#[test]
+fn link_speed_override() {
+    std::env::set_var("WEFT_LINK_SPEED_MBPS", "400000");
+    init("shm");
+    assert_eq!(core::properties(0).unwrap().speed, 400_000);
+    assert_eq!(core::properties(0).unwrap().name.to_str().unwrap(), "shm");
+}
+
+/// Garbage, truncated, corrupted and foreign handles: a clear error, no
+/// crash, no hang.
+#[test]
+fn bad_handles_are_refused() {
+    let ctx = init("tcp");
+    let (good, l) = listen(ctx);
+    let mut cases: Vec<(&str, [u8; 128])> = Vec::new();
+    cases.push(("zeroes", [0u8; 128]));
+    cases.push(("garbage", std::array::from_fn(|i| (i * 37 + 11) as u8)));
+    let mut foreign = [0u8; 128];
+    foreign[..8].copy_from_slice(b"NCCL-IB!");
+    cases.push(("another plugin", foreign));
+    let mut v2 = good;
+    v2[4] = 9;
+    cases.push(("another Weft version", v2));
+    let mut flipped = good;
+    flipped[25] ^= 0x40;
+    cases.push(("corrupted address", flipped));
+    let mut truncated = good;
+    truncated[20..].fill(0);
+    cases.push(("truncated", truncated));
+    let mut stage = good;
+    stage[112..120].copy_from_slice(&[1, 2, 3, 4, 5, 6, 7, 8]);
+    cases.push(("garbage connect stage", stage));
+    for (what, mut h) in cases {
+        let e = core::connect(ctx, 0, None, &mut h).expect_err(what);
+        assert_eq!(e.code, core::Code::Internal, "{what}: {e}");
+        assert!(e.msg.len() > 20, "{what}: message too terse: {e}");
+    }
+    core::close_listen(l).unwrap();
+}
+
+/// Stale and foreign pointers are errors, not undefined behaviour.
+#[test]
+fn stale_and_foreign_pointers_are_errors() {
+    let ctx = init("tcp");
+    let (mut h, l) = listen(ctx);
+    let (s, r) = connect_pair(ctx, &mut h, l);
+    let local = 0u64;
+    let foreign = (&raw const local).cast_mut().cast();
+    assert!(core::test(foreign).is_err());
+    assert!(core::test(std::ptr::null_mut()).is_err());
+    assert!(core::isend(foreign, foreign, 8, 0, std::ptr::null_mut()).is_err());
+    assert!(
+        core::irecv(s, &[]).is_err(),
+        "a send comm is not a receive comm"
+    );
+    assert!(core::dereg_mr(s, foreign).is_err());
+    assert!(core::reg_mr(foreign, foreign, 8, 1).is_err());
+    assert!(core::accept(s).is_err());
+    // A completed request is stale.
+    let buf = pattern(0, 1, 64);
+    let mut dst = vec![0u8; 64];
+    let (smh, rmh) = (reg(s, &buf), reg(r, &dst));
+    let rq = irecv(r, &mut [&mut dst[..]], &[1], &[rmh]);
+    let sq = isend(s, &buf, 1, smh);
+    wait2(sq, rq);
+    let e = core::test(rq).unwrap_err();
+    assert!(e.msg.contains("not a live"), "{e}");
+    // A buffer outside its registration is refused.
+    let other = [0u8; 64];
+    assert!(core::isend(s, other.as_ptr() as *mut _, 64, 1, smh).is_err());
+    core::dereg_mr(s, smh).unwrap();
+    assert!(core::dereg_mr(s, smh).is_err(), "double deregistration");
+    core::dereg_mr(r, rmh).unwrap();
+    core::close_send(s).unwrap();
+    assert!(core::close_send(s).is_err(), "double close");
+    core::close_recv(r).unwrap();
+    core::close_listen(l).unwrap();
+}
+
+/// Out of credits (the receiver posts nothing): isend returns NULL after
+/// exactly CREDITS messages and never blocks; once the receiver drains, the
+/// sender goes on.
+#[test]
+fn credits_bound_the_sender_and_come_back() {
+    use weft::proto::sendrecv::CREDITS;
+    let ctx = init("tcp");
+    let (mut h, l) = listen(ctx);
+    let (s, r) = connect_pair(ctx, &mut h, l);
+    let buf = pattern(0, 2, 64);
+    let smh = reg(s, &buf);
+    let mut sent = 0;
+    let mut reqs = Vec::new();
+    // Eager sends complete at once, so only credits can stop the sender.
+    for _ in 0..CREDITS * 2 {
+        match core::isend(s, buf.as_ptr() as *mut _, 64, 2, smh).unwrap() {
+            Some(q) => {
+                sent += 1;
+                reqs.push(q);
+            }
+            None => break,
+        }
+    }
+    assert_eq!(
+        sent, CREDITS as usize,
+        "the sender is held at the credit limit"
+    );
+    for q in reqs.drain(..) {
+        wait(q);
+    }
+    let mut dst = vec![0u8; 64];
+    let rmh = reg(r, &dst);
+    for _ in 0..CREDITS {
+        let q = irecv(r, &mut [&mut dst[..]], &[2], &[rmh]);
+        assert_eq!(wait(q).sizes[0], 64);
+    }
+    let q = isend(s, &buf, 2, smh);
+    let rq = irecv(r, &mut [&mut dst[..]], &[2], &[rmh]);
+    wait2(q, rq);
+    core::dereg_mr(s, smh).unwrap();
+    core::dereg_mr(r, rmh).unwrap();
+    core::close_send(s).unwrap();
+    core::close_recv(r).unwrap();
+    core::close_listen(l).unwrap();
+}
+
+/// Requests in flight at close: released, and a later test() is an error.
+#[test]
+fn close_with_requests_in_flight() {
+    let ctx = init("tcp");
+    let (mut h, l) = listen(ctx);
+    let (s, r) = connect_pair(ctx, &mut h, l);
+    let mut dst = vec![0u8; 1 << 20];
+    let rmh = reg(r, &dst);
+    let rq = irecv(r, &mut [&mut dst[..]], &[9], &[rmh]);
+    let big = pattern(0, 8, 1 << 20);
+    let smh = reg(s, &big);
+    let sq = isend(s, &big, 8, smh); // tag 8: nobody receives it
+    core::close_recv(r).unwrap();
+    core::close_send(s).unwrap();
+    assert!(core::test(rq).is_err());
+    assert!(core::test(sq).is_err());
+    core::dereg_mr(r, rmh).unwrap();
+    core::dereg_mr(s, smh).unwrap();
+    core::close_listen(l).unwrap();
+}
+
+#[test]
+fn iflush_on_host_memory_is_a_null_request() {
+    let ctx = init("tcp");
+    let (mut h, l) = listen(ctx);
+    let (s, r) = connect_pair(ctx, &mut h, l);
+    assert_eq!(core::iflush(r, 1).unwrap(), None);
+    assert!(core::iflush(s, 1).is_err());
+    assert!(core::iflush(r, 9).is_err());
+    core::close_send(s).unwrap();
+    core::close_recv(r).unwrap();
+    core::close_listen(l).unwrap();
+}
+
+/// regMr on a sub-range of a registered range is a cache hit, and a handle is
+/// valid on every comm of the device (regIsGlobal).
+#[test]
+fn registrations_are_cached_and_global() {
+    let ctx = init("tcp");
+    let (mut h, l) = listen(ctx);
+    let (s, r) = connect_pair(ctx, &mut h, l);
+    let (mut h2, l2) = listen(ctx);
+    let (s2, r2) = connect_pair(ctx, &mut h2, l2);
+    let buf = pattern(0, 4, 1 << 16);
+    let big = reg(s, &buf);
+    let sub = reg(s, &buf[4096..8192]);
+    let st = weft::core::device_stats(0).unwrap();
+    assert!(st.mr_hits >= 1, "sub-range registration must hit: {st:?}");
+    // Registered on comm s, used on comm s2.
+    let mut dst = vec![0u8; 4096];
+    let rmh = reg(r2, &dst);
+    let rq = irecv(r2, &mut [&mut dst[..]], &[4], &[rmh]);
+    let sq = isend(s2, &buf[4096..8192], 4, sub);
+    wait2(sq, rq);
+    assert!(dst[..] == buf[4096..8192]);
+    for mh in [big, sub, rmh] {
+        core::dereg_mr(s, mh).unwrap();
+    }
+    for c in [s, s2] {
+        core::close_send(c).unwrap();
+    }
+    for c in [r, r2] {
+        core::close_recv(c).unwrap();
+    }
+    core::close_listen(l).unwrap();
+    core::close_listen(l2).unwrap();
 }

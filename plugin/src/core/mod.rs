@@ -390,7 +390,9 @@ pub fn isend(
         .get(comm)
         .ok_or_else(|| Error::internal(format!("isend: {comm:p} is not a live Weft send comm")))?;
     let desc = desc_for(mh, c.dev.index, data.cast(), size, "isend")?;
-    c.isend(data.cast(), size, tag, desc)
+    // SAFETY: the buffer lies inside a live registration of NCCL's memory
+    // (checked just above), which NCCL keeps until the request completes.
+    unsafe { c.isend(data.cast(), size, tag, desc) }
 }
 
 /// One buffer of a grouped receive, as NCCL describes it.
@@ -436,7 +438,8 @@ pub fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c_void>>
             phandle: a.phandle,
         };
     }
-    c.irecv(&bufs[..args.len()])
+    // SAFETY: every buffer lies inside a live registration (checked above).
+    unsafe { c.irecv(&bufs[..args.len()]) }
 }
 
 /// `iflush(recvComm, ...)`: host memory needs no flush, so the request is
@@ -495,5 +498,27 @@ pub fn close_listen(comm: *mut c_void) -> Result<()> {
         Error::internal(format!(
             "closeListen: {comm:p} is not a live Weft listen comm"
         ))
+    })
+}
+
+/// Counters of a device, for tests and benchmarks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// Registration-cache hits.
+    pub mr_hits: u64,
+    /// Registration-cache misses (real registrations).
+    pub mr_misses: u64,
+    /// Ranges currently registered.
+    pub mr_entries: usize,
+}
+
+/// Counters of device `dev`.
+pub fn device_stats(dev: i32) -> Result<DeviceStats> {
+    let d = device(&*plugin()?, dev)?;
+    let (mr_hits, mr_misses) = d.mr.stats();
+    Ok(DeviceStats {
+        mr_hits,
+        mr_misses,
+        mr_entries: d.mr.len(),
     })
 }

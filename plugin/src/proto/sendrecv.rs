@@ -228,7 +228,7 @@ fn decode_ctx(ctx: *mut c_void) -> (*const u8, u8) {
 }
 
 /// Turns a failed sub-operation into the error `test` reports.
-fn req_error(kind: Kind, e: ReqErr, peer: &str) -> Error {
+fn req_error(kind: Kind, e: ReqErr, capacity: usize, peer: &str) -> Error {
     let what = if kind == Kind::Send {
         "send"
     } else {
@@ -236,12 +236,16 @@ fn req_error(kind: Kind, e: ReqErr, peer: &str) -> Error {
     };
     if e.fi_err == fi::FI_ETRUNC {
         let tag = e.tag as u32 as i32;
+        // Providers differ in what they report (shm gives no lengths).
+        let sent = if e.olen > 0 {
+            format!("{} bytes", e.len + e.olen)
+        } else {
+            "more bytes than fit".to_owned()
+        };
         let msg = format!(
-            "message truncated: the peer {peer} sent {} bytes with tag {tag} into receive buffer {} of {} bytes; \
+            "message truncated: the {peer} sent {sent} with tag {tag} into receive buffer {} of {capacity} bytes; \
              NCCL never sends more than the receiver posted, so both ranks must run the same NCCL",
-            e.len + e.olen,
-            e.sub,
-            e.len
+            e.sub
         );
         tracing::warn!("{msg}");
         return Error::internal(msg);
@@ -513,7 +517,11 @@ impl SendComm {
     }
 
     /// Posts a send; `Ok(None)` when out of credits or requests (retry later).
-    pub fn isend(
+    ///
+    /// # Safety
+    /// `data..data+size` must be readable and stay valid until the request is
+    /// reported done; `desc` must be its registration's descriptor (or NULL).
+    pub unsafe fn isend(
         &self,
         data: *const u8,
         size: usize,
@@ -687,7 +695,8 @@ fn finish(reqs: &mut Pool<Request>, req: *const u8, peer: &str) -> Result<Option
     }
     reqs.remove(i);
     if let Some(e) = r.err {
-        return Err(req_error(r.kind, e, peer));
+        let cap = r.bufs[usize::from(e.sub) % MAX_RECVS].size;
+        return Err(req_error(r.kind, e, cap, peer));
     }
     Ok(Some(Done {
         n: usize::from(r.n),
@@ -740,7 +749,11 @@ impl RecvComm {
     }
 
     /// Posts a grouped receive; `Ok(None)` when all requests are in use.
-    pub fn irecv(&self, bufs: &[RecvBuf]) -> Result<Option<*mut c_void>> {
+    ///
+    /// # Safety
+    /// Every buffer must be writable for its size and stay valid until the
+    /// request is reported done (or the comm is closed).
+    pub unsafe fn irecv(&self, bufs: &[RecvBuf]) -> Result<Option<*mut c_void>> {
         if bufs.is_empty() || bufs.len() > MAX_RECVS {
             return Err(Error::internal(format!(
                 "irecv with n = {}: must be 1 ..= {MAX_RECVS} (maxRecvs)",
