@@ -44,7 +44,7 @@ pub const PARAMS: &[Param] = &[
         name: "WEFT_EAGER_SIZE",
         default: "8192",
         accepted: "bytes, 0 ..= 65536",
-        meaning: "largest message sent eagerly (copied) instead of from the registered user buffer",
+        meaning: "messages up to this size (and the provider's inject size) go out with fi_tinject: copied at once, so the send request is done immediately",
     },
     Param {
         name: "WEFT_LINK_SPEED_MBPS",
@@ -56,7 +56,7 @@ pub const PARAMS: &[Param] = &[
         name: "WEFT_PEER_TIMEOUT",
         default: "30",
         accepted: "seconds, decimals allowed, 0.1 ..= 3600",
-        meaning: "how long a peer may be unreachable before its requests fail (a dead peer is an error, not a hang)",
+        meaning: "how long connect waits for the listener's answer and accept for the connecting peer's, before an error (dead-peer detection on the data path is not in this build)",
     },
 ];
 

@@ -3,6 +3,7 @@
 //! timeouts (this machine is small and shared; tests never sleep to sync).
 
 pub mod host;
+pub mod peer;
 
 use std::time::{Duration, Instant};
 

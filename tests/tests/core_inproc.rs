@@ -394,3 +394,72 @@ fn registrations_are_cached_and_global() {
     core::close_listen(l).unwrap();
     core::close_listen(l2).unwrap();
 }
+
+/// shm on libfabric 1.17 reports a truncated tagged receive only up to its
+/// 4 KiB inline size: there it must be an error from test(), with no byte
+/// past the buffer, and closing must not hang.
+#[test]
+fn shm_truncation_writes_nothing_past_the_buffer() {
+    let ctx = init("shm");
+    let (mut h, l) = listen(ctx);
+    let (s, r) = connect_pair(ctx, &mut h, l);
+    // Above shm's 4 KiB inline size, libfabric 1.17's shm never completes a
+    // truncated receive: fi_cq_read waits inside libfabric (seen here with
+    // 5000 and 100000 bytes). NCCL never sends more than the receiver posted;
+    // the README states the limit. Below it, shm reports FI_ETRUNC.
+    for len in [100usize, 4000] {
+        let src = pattern(1, 5, len);
+        let mut dst = vec![0x5Au8; len];
+        let smh = reg(s, &src);
+        let rmh = reg(r, &dst);
+        let rq = {
+            let (head, _guard) = dst.split_at_mut(len / 2);
+            irecv(r, &mut [head], &[5], &[rmh])
+        };
+        let sq = core::isend(s, src.as_ptr() as *mut _, len, 5, smh).unwrap();
+        // The sender progresses on its own thread, as in a real peer process.
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sender = sq.map(|q| {
+            let (q, stop) = (q as usize, std::sync::Arc::clone(&stop));
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if !matches!(core::test(q as *mut _), Ok(None)) {
+                        break;
+                    }
+                    std::thread::yield_now();
+                }
+            })
+        });
+        let mut outcome = "no completion";
+        for _ in 0..100_000 {
+            match core::test(rq) {
+                Ok(None) => continue,
+                Ok(Some(d)) => panic!("shm: a truncated receive completed as success: {d:?}"),
+                Err(e) => {
+                    assert!(e.msg.contains("truncated"), "{e}");
+                    outcome = "reported as truncation";
+                    break;
+                }
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = sender {
+            t.join().unwrap();
+        }
+        assert_eq!(
+            outcome,
+            "reported as truncation",
+            "shm, {len}-byte message into {} bytes",
+            len / 2
+        );
+        assert!(
+            dst[len / 2..].iter().all(|&b| b == 0x5A),
+            "shm wrote past the receive buffer"
+        );
+        core::dereg_mr(s, smh).unwrap();
+        core::dereg_mr(r, rmh).unwrap();
+    }
+    core::close_send(s).unwrap();
+    core::close_recv(r).unwrap();
+    core::close_listen(l).unwrap();
+}

@@ -1,0 +1,197 @@
+//! The other process of the two-process tests: drives the plugin's core from
+//! commands on stdin, one per line, and answers each on stdout.
+//!
+//! ```text
+//! init <provider>             -> ok
+//! listen                      -> handle <hex>
+//! accept                      -> ok
+//! connect <hex>               -> ok
+//! send <count> <size> <tag>   -> ok <bytes>    (window of 8, content from host::pattern)
+//! recv <count> <size> <tag>   -> ok <bytes>    (verified)
+//! poll <tag> <iterations>     -> ok            (progress with one receive posted for <tag>, never matched)
+//! rss                         -> rss <kB>
+//! quit                        -> (closes everything, exits 0)
+//! ```
+//! Any failure answers `error <message>` and exits 1.
+
+use std::ffi::c_void;
+use std::io::{BufRead, Write};
+
+use weft::core;
+use weft_tests::host::{self, pattern};
+
+const WINDOW: usize = 8;
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Result<[u8; 128], String> {
+    let v: Vec<u8> = (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2).unwrap_or("zz"), 16).map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
+    v.try_into()
+        .map_err(|_| "handle must be 128 bytes".to_owned())
+}
+
+fn rss_kb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+struct Peer {
+    ctx: *mut c_void,
+    listen: *mut c_void,
+    send: *mut c_void,
+    recv: *mut c_void,
+}
+
+/// Sends `count` messages, keeping up to WINDOW in flight.
+fn send(comm: *mut c_void, count: u64, size: usize, tag: i32) -> u64 {
+    let msgs: Vec<Vec<u8>> = (0..count).map(|i| pattern(i, tag, size + 1)).collect();
+    let mhs: Vec<*mut c_void> = msgs.iter().map(|m| host::reg(comm, m)).collect();
+    let mut inflight = std::collections::VecDeque::new();
+    for (m, &mh) in msgs.iter().zip(&mhs) {
+        if inflight.len() == WINDOW {
+            host::wait(inflight.pop_front().expect("window"));
+        }
+        inflight.push_back(host::isend(comm, &m[..size], tag, mh));
+    }
+    for q in inflight {
+        host::wait(q);
+    }
+    for mh in mhs {
+        core::dereg_mr(comm, mh).expect("deregMr");
+    }
+    count * size as u64
+}
+
+/// Receives and verifies `count` messages, up to WINDOW posted at once.
+fn recv(comm: *mut c_void, count: u64, size: usize, tag: i32) -> Result<u64, String> {
+    let mut bufs: Vec<Vec<u8>> = (0..WINDOW).map(|_| vec![0u8; size + 1]).collect();
+    let mhs: Vec<*mut c_void> = bufs.iter().map(|b| host::reg(comm, b)).collect();
+    let mut inflight = std::collections::VecDeque::new();
+    let mut next = 0u64;
+    let mut bytes = 0;
+    for seq in 0..count {
+        while next < count && inflight.len() < WINDOW {
+            let slot = (next % WINDOW as u64) as usize;
+            let q = host::irecv(comm, &mut [&mut bufs[slot][..]], &[tag], &[mhs[slot]]);
+            inflight.push_back((next, slot, q));
+            next += 1;
+        }
+        let (s, slot, q) = inflight.pop_front().expect("posted");
+        debug_assert_eq!(s, seq);
+        let d = host::wait(q);
+        if d.sizes[0] != size || bufs[slot][..size] != pattern(seq, tag, size)[..] {
+            return Err(format!(
+                "message {seq} of {size} bytes with tag {tag}: wrong size ({}) or content",
+                d.sizes[0]
+            ));
+        }
+        bytes += size as u64;
+    }
+    for mh in mhs {
+        core::dereg_mr(comm, mh).expect("deregMr");
+    }
+    Ok(bytes)
+}
+
+impl Peer {
+    fn run(&mut self, line: &str) -> Result<Option<String>, String> {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let num = |i: usize| -> Result<u64, String> {
+            w.get(i)
+                .ok_or("missing argument")?
+                .parse::<u64>()
+                .map_err(|e| e.to_string())
+        };
+        Ok(Some(match w.first().copied() {
+            Some("init") => {
+                self.ctx = host::init(w.get(1).ok_or("init needs a provider")?);
+                "ok".into()
+            }
+            Some("listen") => {
+                let (h, l) = host::listen(self.ctx);
+                self.listen = l;
+                format!("handle {}", hex(&h))
+            }
+            Some("accept") => {
+                self.recv = host::accept(self.listen);
+                core::close_listen(self.listen).map_err(|e| e.to_string())?;
+                self.listen = std::ptr::null_mut();
+                "ok".into()
+            }
+            Some("connect") => {
+                let mut h = unhex(w.get(1).ok_or("connect needs a handle")?)?;
+                self.send = host::connect(self.ctx, &mut h);
+                "ok".into()
+            }
+            Some("send") => format!(
+                "ok {}",
+                send(self.send, num(1)?, num(2)? as usize, num(3)? as i32)
+            ),
+            Some("recv") => format!(
+                "ok {}",
+                recv(self.recv, num(1)?, num(2)? as usize, num(3)? as i32)?
+            ),
+            Some("poll") => {
+                let mut b = vec![0u8; 64];
+                let mh = host::reg(self.recv, &b);
+                let q = host::irecv(self.recv, &mut [&mut b[..]], &[num(1)? as i32], &[mh]);
+                for _ in 0..num(2)? {
+                    if core::test(q).map_err(|e| e.to_string())?.is_some() {
+                        return Err("the never-matched receive completed".into());
+                    }
+                }
+                // The receive stays posted; it goes with the comm at quit.
+                std::mem::forget(b);
+                "ok".into()
+            }
+            Some("rss") => format!("rss {}", rss_kb()),
+            Some("quit") => return Ok(None),
+            other => return Err(format!("unknown command {other:?}")),
+        }))
+    }
+}
+
+fn main() {
+    let mut peer = Peer {
+        ctx: std::ptr::null_mut(),
+        listen: std::ptr::null_mut(),
+        send: std::ptr::null_mut(),
+        recv: std::ptr::null_mut(),
+    };
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    for line in stdin.lock().lines() {
+        let line = line.expect("stdin");
+        match peer.run(&line) {
+            Ok(Some(reply)) => {
+                writeln!(out, "{reply}")
+                    .and_then(|_| out.flush())
+                    .expect("stdout");
+            }
+            Ok(None) => break,
+            Err(e) => {
+                writeln!(out, "error {e}")
+                    .and_then(|_| out.flush())
+                    .expect("stdout");
+                std::process::exit(1);
+            }
+        }
+    }
+    if !peer.send.is_null() {
+        core::close_send(peer.send).expect("closeSend");
+    }
+    if !peer.recv.is_null() {
+        core::close_recv(peer.recv).expect("closeRecv");
+    }
+}
