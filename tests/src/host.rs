@@ -75,7 +75,15 @@ pub fn reg(comm: *mut c_void, buf: &[u8]) -> *mut c_void {
 /// Posts a send, retrying while the plugin returns a NULL request.
 pub fn isend(comm: *mut c_void, buf: &[u8], tag: i32, mh: *mut c_void) -> *mut c_void {
     poll_until("isend request", || {
-        core::isend(comm, buf.as_ptr() as *mut c_void, buf.len(), tag, mh).expect("isend")
+        core::isend(
+            comm,
+            buf.as_ptr() as *mut c_void,
+            buf.len(),
+            tag,
+            mh,
+            std::ptr::null_mut(),
+        )
+        .expect("isend")
     })
 }
 

@@ -139,7 +139,8 @@ fn tcp_truncation_is_an_error() {
         let (mut sq, mut err, mut sent) = (None, None, false);
         weft_tests::poll_until("truncated receive and its send", || {
             if sq.is_none() {
-                sq = core::isend(s, src.as_ptr() as *mut _, len, 5, smh).unwrap();
+                sq = core::isend(s, src.as_ptr() as *mut _, len, 5, smh, std::ptr::null_mut())
+                    .unwrap();
             }
             if let Some(q) = sq.filter(|_| !sent) {
                 // The send may complete, or fail once the receiver refused it.
@@ -252,7 +253,15 @@ fn stale_and_foreign_pointers_are_errors() {
     let foreign = (&raw const local).cast_mut().cast();
     assert!(core::test(foreign).is_err());
     assert!(core::test(std::ptr::null_mut()).is_err());
-    assert!(core::isend(foreign, foreign, 8, 0, std::ptr::null_mut()).is_err());
+    assert!(core::isend(
+        foreign,
+        foreign,
+        8,
+        0,
+        std::ptr::null_mut(),
+        std::ptr::null_mut()
+    )
+    .is_err());
     assert!(
         core::irecv(s, &[]).is_err(),
         "a send comm is not a receive comm"
@@ -271,7 +280,15 @@ fn stale_and_foreign_pointers_are_errors() {
     assert!(e.msg.contains("not a live"), "{e}");
     // A buffer outside its registration is refused.
     let other = [0u8; 64];
-    assert!(core::isend(s, other.as_ptr() as *mut _, 64, 1, smh).is_err());
+    assert!(core::isend(
+        s,
+        other.as_ptr() as *mut _,
+        64,
+        1,
+        smh,
+        std::ptr::null_mut()
+    )
+    .is_err());
     core::dereg_mr(s, smh).unwrap();
     assert!(core::dereg_mr(s, smh).is_err(), "double deregistration");
     core::dereg_mr(r, rmh).unwrap();
@@ -296,7 +313,7 @@ fn credits_bound_the_sender_and_come_back() {
     let mut reqs = Vec::new();
     // Eager sends complete at once, so only credits can stop the sender.
     for _ in 0..CREDITS * 2 {
-        match core::isend(s, buf.as_ptr() as *mut _, 64, 2, smh).unwrap() {
+        match core::isend(s, buf.as_ptr() as *mut _, 64, 2, smh, std::ptr::null_mut()).unwrap() {
             Some(q) => {
                 sent += 1;
                 reqs.push(q);
@@ -416,7 +433,7 @@ fn shm_truncation_writes_nothing_past_the_buffer() {
             let (head, _guard) = dst.split_at_mut(len / 2);
             irecv(r, &mut [head], &[5], &[rmh])
         };
-        let sq = core::isend(s, src.as_ptr() as *mut _, len, 5, smh).unwrap();
+        let sq = core::isend(s, src.as_ptr() as *mut _, len, 5, smh, std::ptr::null_mut()).unwrap();
         // The sender progresses on its own thread, as in a real peer process.
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let sender = sq.map(|q| {

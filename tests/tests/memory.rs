@@ -41,7 +41,7 @@ fn tcp_receiver_memory_is_bounded_by_credits() {
     // Bounded: without credits the plugin would accept all 4 x CREDITS.
     while refused < 1000 && reqs.len() < 4 * n {
         let m = msg(reqs.len());
-        match core::isend(s, m.as_ptr() as *mut _, SIZE, 1, mh).unwrap() {
+        match core::isend(s, m.as_ptr() as *mut _, SIZE, 1, mh, std::ptr::null_mut()).unwrap() {
             Some(q) => reqs.push(q),
             None => refused += 1,
         }
@@ -73,9 +73,16 @@ fn tcp_receiver_memory_is_bounded_by_credits() {
         "receiver grew {grown} kB (> {bound} kB): memory is not bounded by credits"
     );
     assert!(
-        core::isend(s, msg(0).as_ptr() as *mut _, SIZE, 1, mh)
-            .unwrap()
-            .is_none(),
+        core::isend(
+            s,
+            msg(0).as_ptr() as *mut _,
+            SIZE,
+            1,
+            mh,
+            std::ptr::null_mut()
+        )
+        .unwrap()
+        .is_none(),
         "no credit returns without receives"
     );
 

@@ -64,6 +64,7 @@ fn drive(p: Pair) {
                     size,
                     p.tag,
                     smh[*slot],
+                    std::ptr::null_mut(),
                 )
                 .unwrap();
                 if sq.is_none() {

@@ -378,12 +378,14 @@ fn desc_for(
 }
 
 /// `isend(sendComm, data, size, tag, mhandle, phandle)`: `None` = retry later.
+/// `phandle` (v10+, else NULL) is kept with the request.
 pub fn isend(
     comm: *mut c_void,
     data: *mut c_void,
     size: usize,
     tag: i32,
     mh: *mut c_void,
+    phandle: *mut c_void,
 ) -> Result<Option<*mut c_void>> {
     let c = REG
         .send
@@ -392,7 +394,7 @@ pub fn isend(
     let desc = desc_for(mh, c.dev.index, data.cast(), size, "isend")?;
     // SAFETY: the buffer lies inside a live registration of NCCL's memory
     // (checked just above), which NCCL keeps until the request completes.
-    unsafe { c.isend(data.cast(), size, tag, desc) }
+    unsafe { c.isend(data.cast(), size, tag, desc, phandle) }
 }
 
 /// One buffer of a grouped receive, as NCCL describes it.

@@ -527,6 +527,7 @@ impl SendComm {
         size: usize,
         tag: i32,
         desc: *mut c_void,
+        phandle: *mut c_void,
     ) -> Result<Option<*mut c_void>> {
         let mut st = lock(&self.inner);
         if st.phase != Phase::Ready {
@@ -549,6 +550,13 @@ impl SendComm {
             err: None,
         };
         req.sizes[0] = size;
+        req.bufs[0] = RecvBuf {
+            data: data.cast_mut(),
+            size,
+            tag,
+            desc,
+            phandle,
+        };
         let inject = size <= st.eager;
         if inject {
             req.remaining = 0;
