@@ -379,6 +379,9 @@ fn desc_for(
 
 /// `isend(sendComm, data, size, tag, mhandle, phandle)`: `None` = retry later.
 /// `phandle` (v10+, else NULL) is kept with the request.
+// `data` is validated against its registration before use; `phandle` is an
+// opaque token that is only stored, never dereferenced.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn isend(
     comm: *mut c_void,
     data: *mut c_void,
