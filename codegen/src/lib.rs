@@ -1,0 +1,467 @@
+//! weft-codegen: NCCL headers -> Weft version descriptors.
+//!
+//! bindgen (libclang) reads the headers; its Rust output is parsed with syn;
+//! every `ncclNet_vN_t` / `ncclCollNet_vN_t` table becomes a [`Descriptor`]
+//! with its members in order, every struct it uses (transitively), and the
+//! `ncclResult_t` codes that version's NCCL knows.
+
+pub mod headers;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use weft_api::model::{Descriptor, Field, Member, Struct, Ty};
+
+/// Names kept as names (NCCL enums and callback types), never expanded.
+pub const OPAQUE: &[&str] = &[
+    "ncclResult_t",
+    "ncclDataType_t",
+    "ncclRedOp_t",
+    "ncclNetDeviceType",
+    "ncclDebugLogger_t",
+    "ncclProfilerCallback_t",
+];
+
+/// Plugin-facing result codes and the NCCL release that introduced each
+/// (reference §3.4: the plugin `err.h` defines 0-6; `ncclRemoteError` came
+/// with 2.13). Codes NCCL's core keeps to itself are not plugin results.
+const RESULT_SINCE: &[(&str, (u32, u32))] = &[
+    ("ncclSuccess", (2, 0)),
+    ("ncclUnhandledCudaError", (2, 0)),
+    ("ncclSystemError", (2, 0)),
+    ("ncclInternalError", (2, 0)),
+    ("ncclInvalidArgument", (2, 0)),
+    ("ncclInvalidUsage", (2, 0)),
+    ("ncclRemoteError", (2, 13)),
+];
+
+/// The first NCCL release that loads each API version (reference §4.3).
+pub fn first_release(version: u32) -> Option<(u32, u32)> {
+    Some(match version {
+        5 => (2, 12),
+        6 => (2, 13),
+        7 => (2, 19),
+        8 => (2, 20),
+        9 => (2, 24),
+        10 => (2, 26),
+        11 => (2, 28),
+        12 => (2, 30),
+        _ => return None,
+    })
+}
+
+fn ty_of(t: &syn::Type, aliases: &HashMap<String, syn::Type>) -> Result<Ty, String> {
+    Ok(match t {
+        syn::Type::Ptr(p) => Ty::Ptr {
+            mutable: p.mutability.is_some(),
+            to: Box::new(ty_of(&p.elem, aliases)?),
+        },
+        syn::Type::Array(a) => {
+            let n = match &a.len {
+                syn::Expr::Lit(syn::ExprLit {
+                    lit: syn::Lit::Int(i),
+                    ..
+                }) => i.base10_parse::<usize>().map_err(|e| e.to_string())?,
+                other => return Err(format!("array length {}", quote::quote!(#other))),
+            };
+            Ty::Array(Box::new(ty_of(&a.elem, aliases)?), n)
+        }
+        syn::Type::Path(p) => {
+            let last = p
+                .path
+                .segments
+                .last()
+                .ok_or("empty path")?
+                .ident
+                .to_string();
+            if OPAQUE.contains(&last.as_str()) {
+                Ty::Name(last)
+            } else if let Some(target) = aliases.get(&last) {
+                // Typedefs of primitives or of other structs resolve; struct
+                // typedef chains end at the struct bindgen defined.
+                match ty_of(target, aliases)? {
+                    Ty::Name(n) if n.starts_with("nccl") => Ty::Name(n),
+                    other => other,
+                }
+            } else {
+                Ty::Name(last)
+            }
+        }
+        other => return Err(format!("unsupported type {}", quote::quote!(#other))),
+    })
+}
+
+/// `Foo_v7_t` -> `Foo_v9_t` for a v9 descriptor: one name per layout, so
+/// descriptors from different sources compare equal.
+fn normalise(name: &str, version: u32) -> String {
+    if let Some(stem) = name.strip_suffix("_t") {
+        if let Some(pos) = stem.rfind("_v") {
+            if stem[pos + 2..].chars().all(|c| c.is_ascii_digit()) && pos + 2 < stem.len() {
+                return format!("{}_v{version}_t", &stem[..pos]);
+            }
+        }
+    }
+    name.to_owned()
+}
+
+fn rename(t: &Ty, version: u32) -> Ty {
+    match t {
+        Ty::Name(n) => Ty::Name(normalise(n, version)),
+        Ty::Ptr { mutable, to } => Ty::Ptr {
+            mutable: *mutable,
+            to: Box::new(rename(to, version)),
+        },
+        Ty::Array(t, n) => Ty::Array(Box::new(rename(t, version)), *n),
+    }
+}
+
+/// Extracts every table descriptor from bindgen's output.
+pub fn extract(rust: &str) -> Result<Vec<Descriptor>, String> {
+    let file = syn::parse_file(rust).map_err(|e| format!("parsing bindgen output: {e}"))?;
+    let mut aliases: HashMap<String, syn::Type> = HashMap::new();
+    let mut structs: HashMap<String, Vec<(String, syn::Type)>> = HashMap::new();
+    let mut consts: BTreeMap<String, i64> = BTreeMap::new();
+    for item in &file.items {
+        match item {
+            syn::Item::Type(t) => {
+                aliases.insert(t.ident.to_string(), (*t.ty).clone());
+            }
+            syn::Item::Struct(s) => {
+                if let syn::Fields::Named(n) = &s.fields {
+                    let fs = n
+                        .named
+                        .iter()
+                        .map(|f| {
+                            (
+                                f.ident.as_ref().map(|i| i.to_string()).unwrap_or_default(),
+                                f.ty.clone(),
+                            )
+                        })
+                        .collect();
+                    structs.insert(s.ident.to_string(), fs);
+                }
+            }
+            syn::Item::Const(c) => {
+                if let syn::Expr::Lit(syn::ExprLit {
+                    lit: syn::Lit::Int(i),
+                    ..
+                }) = &*c.expr
+                {
+                    if let Ok(v) = i.base10_parse::<i64>() {
+                        consts.insert(c.ident.to_string(), v);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    for (name, fields) in &structs {
+        let (family, rest) = if let Some(r) = name.strip_prefix("ncclNet_v") {
+            ("net", r)
+        } else if let Some(r) = name.strip_prefix("ncclCollNet_v") {
+            ("collnet", r)
+        } else {
+            continue;
+        };
+        let Some(version) = rest.strip_suffix("_t").and_then(|v| v.parse::<u32>().ok()) else {
+            continue;
+        };
+        if first_release(version).is_none() {
+            // v2..v4 are older than NCCL 2.12; newer ones need a mapping first.
+            if version < 5 {
+                continue;
+            }
+        }
+        let mut table = Vec::new();
+        let mut used: Vec<String> = Vec::new();
+        let mut orig: HashMap<String, String> = HashMap::new();
+        for (fname, fty) in fields {
+            let m = match fn_sig(fty) {
+                Some((args, ret)) => {
+                    let mut a = Vec::new();
+                    for (i, (an, at)) in args.iter().enumerate() {
+                        let raw = ty_of(at, &aliases)?;
+                        originals(&raw, version, &mut orig);
+                        let ty = rename(&raw, version);
+                        collect(&ty, &mut used);
+                        a.push(Field {
+                            name: an.clone().unwrap_or_else(|| format!("arg{i}")),
+                            ty,
+                        });
+                    }
+                    Member::Fn {
+                        name: fname.clone(),
+                        args: a,
+                        ret: ty_of(&ret, &aliases)?,
+                    }
+                }
+                None => Member::Data(Field {
+                    name: fname.clone(),
+                    ty: ty_of(fty, &aliases)?,
+                }),
+            };
+            table.push(m);
+        }
+        // Structs used, with their own dependencies first.
+        let mut defs: Vec<Struct> = Vec::new();
+        let mut i = 0;
+        while i < used.len() {
+            let n = used[i].clone();
+            i += 1;
+            let real = orig.get(&n).cloned().unwrap_or_else(|| n.clone());
+            let raw = find_struct(&real, &structs, &aliases).ok_or_else(|| {
+                format!("{family} v{version}: struct {real} not found in the headers")
+            })?;
+            let mut fs = Vec::new();
+            for (fname, fty) in raw {
+                let rawt = ty_of(fty, &aliases)?;
+                originals(&rawt, version, &mut orig);
+                let ty = rename(&rawt, version);
+                collect(&ty, &mut used);
+                fs.push(Field {
+                    name: fname.clone(),
+                    ty,
+                });
+            }
+            defs.push(Struct {
+                name: n,
+                fields: fs,
+            });
+        }
+        defs.reverse();
+        let release = first_release(version).unwrap_or((u32::MAX, 0));
+        let results = RESULT_SINCE
+            .iter()
+            .filter(|(_, since)| *since <= release)
+            .filter_map(|(n, _)| consts.get(*n).map(|v| ((*n).to_owned(), *v)))
+            .collect();
+        out.push(Descriptor {
+            family: family.to_owned(),
+            version,
+            results,
+            structs: defs,
+            table_name: name.clone(),
+            table,
+        });
+    }
+    out.sort_by(|a, b| (a.family.as_str(), a.version).cmp(&(b.family.as_str(), b.version)));
+    Ok(out)
+}
+
+/// Records which real (header) name each normalised struct name came from.
+fn originals(t: &Ty, version: u32, map: &mut HashMap<String, String>) {
+    match t {
+        Ty::Name(n) if n.starts_with("nccl") && !OPAQUE.contains(&n.as_str()) => {
+            map.entry(normalise(n, version))
+                .or_insert_with(|| n.clone());
+        }
+        Ty::Ptr { to, .. } => originals(to, version, map),
+        Ty::Array(t, _) => originals(t, version, map),
+        _ => {}
+    }
+}
+
+fn collect(t: &Ty, used: &mut Vec<String>) {
+    match t {
+        Ty::Name(n) if n.starts_with("nccl") && !OPAQUE.contains(&n.as_str()) && !used.contains(n) => {
+            used.push(n.clone());
+        }
+        Ty::Ptr { to, .. } => collect(to, used),
+        Ty::Array(t, _) => collect(t, used),
+        _ => {}
+    }
+}
+
+/// The struct a header name denotes, following typedef chains.
+fn find_struct<'a>(
+    name: &str,
+    structs: &'a HashMap<String, Vec<(String, syn::Type)>>,
+    aliases: &HashMap<String, syn::Type>,
+) -> Option<&'a Vec<(String, syn::Type)>> {
+    let mut n = name.to_owned();
+    for _ in 0..8 {
+        if let Some(s) = structs.get(&n) {
+            return Some(s);
+        }
+        match aliases.get(&n) {
+            Some(syn::Type::Path(p)) => n = p.path.segments.last()?.ident.to_string(),
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// `Option<unsafe extern "C" fn(args) -> ret>` -> (args, ret).
+/// A function pointer's (named) arguments and return type.
+type Sig = (Vec<(Option<String>, syn::Type)>, syn::Type);
+
+fn fn_sig(t: &syn::Type) -> Option<Sig> {
+    let syn::Type::Path(p) = t else { return None };
+    let seg = p.path.segments.last()?;
+    if seg.ident != "Option" {
+        return None;
+    }
+    let syn::PathArguments::AngleBracketed(a) = &seg.arguments else {
+        return None;
+    };
+    let syn::GenericArgument::Type(syn::Type::BareFn(f)) = a.args.first()? else {
+        return None;
+    };
+    let args = f
+        .inputs
+        .iter()
+        .map(|i| (i.name.as_ref().map(|(n, _)| n.to_string()), i.ty.clone()))
+        .collect();
+    let ret = match &f.output {
+        syn::ReturnType::Type(_, t) => (**t).clone(),
+        syn::ReturnType::Default => syn::parse_quote!(c_void),
+    };
+    Some((args, ret))
+}
+
+/// File name of a descriptor.
+pub fn file_name(d: &Descriptor) -> String {
+    format!("{}_v{}.rs", d.family, d.version)
+}
+
+/// The first line of every descriptor file.
+pub const GENERATED: &str = "// @generated by weft-codegen: do not edit; regenerate with `cargo run -p weft-codegen -- --write <NCCL headers>`.";
+
+/// The whole descriptor file: header, source, then a macro that hands the
+/// body to a callback macro.
+pub fn render_file(d: &Descriptor, source: &str) -> String {
+    let body: String = d
+        .to_string()
+        .lines()
+        .map(|l| format!("            {l}\n"))
+        .collect();
+    format!(
+        "{GENERATED}\n// Source: {source}\n\n/// `{table}` (NCCL {rel}+), generated from NCCL's headers.\n#[macro_export]\nmacro_rules! {fam}_v{v} {{\n    ($($cb:ident)::+ $({{ $($map:tt)* }})?) => {{\n        $($cb)::+! {{\n            mapping {{ $($($map)*)? }}\n{body}        }}\n    }};\n}}\n",
+        table = d.table_name,
+        rel = first_release(d.version).map_or("?".into(), |(a, b)| format!("{a}.{b}")),
+        fam = d.family,
+        v = d.version,
+    )
+}
+
+/// The descriptor body of a file (everything between `mapping` and the end).
+pub fn body_of_file(text: &str) -> Option<String> {
+    let start = text.find("mapping {")?;
+    let after = &text[start..];
+    let first_nl = after.find('\n')?;
+    let body = &after[first_nl + 1..];
+    let end = body.rfind("        }\n    };")?;
+    Some(
+        body[..end]
+            .lines()
+            .map(|l| l.strip_prefix("            ").unwrap_or(l))
+            .collect::<Vec<_>>()
+            .join("\n")
+            + "\n",
+    )
+}
+
+/// Reads a header directory and returns its descriptors (and what codegen
+/// supplied for missing includes).
+pub fn from_dir(dir: &Path) -> Result<(Vec<Descriptor>, headers::Headers), String> {
+    let stub = std::env::temp_dir().join(format!(
+        "weft-codegen-{}-{}",
+        std::process::id(),
+        dir.to_string_lossy().len()
+    ));
+    let h = headers::locate(dir, &stub)?;
+    let rust = headers::bindgen(&h)?;
+    let _ = std::fs::remove_dir_all(&stub);
+    Ok((extract(&rust)?, h))
+}
+
+/// Compares fresh descriptors with the files in `out`; the first difference,
+/// naming the member, is the error.
+pub fn check(fresh: &[Descriptor], out: &Path) -> Result<usize, String> {
+    let mut n = 0;
+    for d in fresh {
+        let path = out.join(file_name(d));
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            format!(
+                "{}: {e} (run weft-codegen --write to create it)",
+                path.display()
+            )
+        })?;
+        let body = body_of_file(&text)
+            .ok_or_else(|| format!("{}: not a descriptor file", path.display()))?;
+        let committed =
+            weft_api::model::parse_str(&body).map_err(|e| format!("{}: {e}", path.display()))?;
+        if let Some(diff) = first_difference(&committed, d) {
+            return Err(format!(
+                "{} v{}: {diff} ({})",
+                d.family,
+                d.version,
+                path.display()
+            ));
+        }
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// Names the first member, struct field or result that differs.
+pub fn first_difference(old: &Descriptor, new: &Descriptor) -> Option<String> {
+    if old.results != new.results {
+        return Some(format!(
+            "result codes differ: committed {:?}, headers {:?}",
+            old.results, new.results
+        ));
+    }
+    for (i, (a, b)) in old.table.iter().zip(&new.table).enumerate() {
+        if a != b {
+            return Some(format!(
+                "member #{} `{}` differs: committed `{a:?}`, headers `{b:?}`",
+                i + 1,
+                a.name()
+            ));
+        }
+    }
+    if old.table.len() != new.table.len() {
+        let extra = if new.table.len() > old.table.len() {
+            &new.table[old.table.len()]
+        } else {
+            &old.table[new.table.len()]
+        };
+        return Some(format!(
+            "member count differs ({} committed, {} in headers), first unmatched member `{}`",
+            old.table.len(),
+            new.table.len(),
+            extra.name()
+        ));
+    }
+    for s in &new.structs {
+        match old.struct_named(&s.name) {
+            None => {
+                return Some(format!(
+                    "struct {} is missing from the committed descriptor",
+                    s.name
+                ))
+            }
+            Some(o) => {
+                for (a, b) in o.fields.iter().zip(&s.fields) {
+                    if a != b {
+                        return Some(format!(
+                            "struct {} field `{}` differs: committed `{}`, headers `{}`",
+                            s.name, a.name, a.ty, b.ty
+                        ));
+                    }
+                }
+                if o.fields.len() != s.fields.len() {
+                    return Some(format!(
+                        "struct {} has {} fields committed, {} in headers",
+                        s.name,
+                        o.fields.len(),
+                        s.fields.len()
+                    ));
+                }
+            }
+        }
+    }
+    (old != new).then(|| "descriptors differ (struct order)".to_owned())
+}
