@@ -264,7 +264,9 @@ fn originals(t: &Ty, version: u32, map: &mut HashMap<String, String>) {
 
 fn collect(t: &Ty, used: &mut Vec<String>) {
     match t {
-        Ty::Name(n) if n.starts_with("nccl") && !OPAQUE.contains(&n.as_str()) && !used.contains(n) => {
+        Ty::Name(n)
+            if n.starts_with("nccl") && !OPAQUE.contains(&n.as_str()) && !used.contains(n) =>
+        {
             used.push(n.clone());
         }
         Ty::Ptr { to, .. } => collect(to, used),

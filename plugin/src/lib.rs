@@ -11,6 +11,7 @@
 //! names win.) `tests/tests/symbols.rs` runs `nm -D --defined-only` on the
 //! built library and fails on any other exported symbol.
 
+pub mod adapter;
 pub mod config;
 pub mod core;
 pub mod device;
@@ -19,3 +20,22 @@ pub mod freelist;
 pub mod log;
 pub mod mr;
 pub mod proto;
+
+// The exported tables: one line per API version and family, generated from
+// the descriptors in `weft-api` by `weft-macros`.
+weft_api::net_v5!(weft_macros::export);
+weft_api::net_v6!(weft_macros::export);
+weft_api::net_v7!(weft_macros::export);
+weft_api::net_v8!(weft_macros::export);
+weft_api::net_v9!(weft_macros::export);
+weft_api::net_v10!(weft_macros::export);
+weft_api::net_v11!(weft_macros::export);
+weft_api::net_v12!(weft_macros::export);
+weft_api::collnet_v5!(weft_macros::export);
+weft_api::collnet_v6!(weft_macros::export);
+weft_api::collnet_v7!(weft_macros::export);
+weft_api::collnet_v8!(weft_macros::export);
+weft_api::collnet_v9!(weft_macros::export);
+weft_api::collnet_v10!(weft_macros::export);
+weft_api::collnet_v11!(weft_macros::export);
+weft_api::collnet_v12!(weft_macros::export);

@@ -527,3 +527,14 @@ pub fn device_stats(dev: i32) -> Result<DeviceStats> {
         mr_entries: d.mr.len(),
     })
 }
+
+/// Runs `f` on device `dev`'s properties (which live as long as the plugin,
+/// so pointers into them stay valid for NCCL).
+pub fn with_properties<T>(dev: i32, f: impl FnOnce(&Properties) -> Result<T>) -> Result<T> {
+    f(&device(&*plugin()?, dev)?.props)
+}
+
+/// Checks that `ctx` is a live context.
+pub fn check_ctx(p: *mut c_void) -> Result<()> {
+    ctx(p).map(drop)
+}

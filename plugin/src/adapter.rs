@@ -1,0 +1,559 @@
+//! What the generated adapters call: the C boundary (panics, result codes,
+//! NULL checks), argument conversions, and one function per table member in
+//! the newest API's terms. Argument structs are named after NCCL's C argument
+//! names; a version that lacks an argument gets the default (NULL, 0).
+
+use std::ffi::{c_int, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+pub use crate::core::Properties;
+use crate::core::{self, Error, Result};
+
+/// The table name (NCCL 2.12 matches `NCCL_NET` case-sensitively).
+pub const NAME: &CStr = c"Weft";
+
+/// NCCL's logger type.
+pub type Logger = crate::log::NcclDebugLogger;
+
+/// The `ncclResult_t` values one API version's NCCL knows.
+#[derive(Debug, Clone, Copy)]
+pub struct Results {
+    /// `ncclSystemError`.
+    pub system: c_int,
+    /// `ncclInternalError`.
+    pub internal: c_int,
+    /// `ncclInvalidUsage`.
+    pub invalid_usage: c_int,
+    /// `ncclRemoteError`, or `ncclSystemError` where the release lacks it.
+    pub remote: c_int,
+}
+
+/// Runs one adapter body: catches panics, logs failures with what failed,
+/// and maps the error class to this version's code.
+pub fn boundary(codes: &Results, what: &str, f: impl FnOnce() -> Result<()>) -> c_int {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => {
+            tracing::warn!("{what} failed: {e}");
+            match e.code {
+                core::Code::System => codes.system,
+                core::Code::Internal => codes.internal,
+                core::Code::InvalidUsage => codes.invalid_usage,
+                core::Code::Remote => codes.remote,
+            }
+        }
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("(no message)");
+            tracing::warn!(
+                "{what}: internal error (a bug in Weft, please report it): panic: {msg}"
+            );
+            codes.internal
+        }
+    }
+}
+
+/// A NULL check for a pointer NCCL passes to be written through.
+// The C boundary: NCCL's output pointers are NULL or point to its own live
+// objects; NULL is refused here.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
+pub fn out_ref<'a, T>(p: *mut T, what: &str) -> Result<&'a mut T> {
+    // SAFETY: non-NULL pointers NCCL passes for output point to a live T it owns.
+    unsafe { p.as_mut() }.ok_or_else(|| Error::internal(format!("NULL `{what}` argument")))
+}
+
+fn write<T>(p: *mut T, v: T, what: &str) -> Result<()> {
+    *out_ref(p, what)? = v;
+    Ok(())
+}
+
+/// A size NCCL passes as `int` (older versions) or `size_t`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CSize {
+    /// Absent.
+    #[default]
+    None,
+    /// `int`.
+    Int(c_int),
+    /// `size_t`.
+    Size(usize),
+}
+
+impl CSize {
+    /// The value, refusing negative `int`s (NCCL misuse).
+    pub fn get(self, what: &str) -> Result<usize> {
+        match self {
+            CSize::None => Ok(0),
+            CSize::Size(s) => Ok(s),
+            CSize::Int(i) => {
+                usize::try_from(i).map_err(|_| Error::internal(format!("negative {what} {i}")))
+            }
+        }
+    }
+}
+
+/// A sizes array NCCL passes as `int*` or `size_t*`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SizeArray {
+    /// Absent or NULL.
+    #[default]
+    None,
+    /// `int*`.
+    Int(*mut c_int),
+    /// `size_t*`.
+    Size(*mut usize),
+}
+
+impl SizeArray {
+    /// Reads entry `i`.
+    ///
+    /// # Safety
+    /// The array has more than `i` entries.
+    unsafe fn get(self, i: usize, what: &str) -> Result<usize> {
+        // SAFETY: the caller bounds `i` by NCCL's `n`.
+        match self {
+            SizeArray::None => Err(Error::internal(format!("NULL `{what}` array"))),
+            // SAFETY: non-NULL, and the caller bounds `i`.
+            SizeArray::Int(p) if !p.is_null() => CSize::Int(unsafe { *p.add(i) }).get(what),
+            // SAFETY: non-NULL, and the caller bounds `i`.
+            SizeArray::Size(p) if !p.is_null() => Ok(unsafe { *p.add(i) }),
+            _ => Err(Error::internal(format!("NULL `{what}` array"))),
+        }
+    }
+
+    /// Writes entry `i`, refusing values an `int` cannot hold.
+    ///
+    /// # Safety
+    /// The array has more than `i` entries.
+    unsafe fn set(self, i: usize, v: usize, what: &str) -> Result<()> {
+        // SAFETY: the caller bounds `i` by NCCL's `n`.
+        match self {
+            SizeArray::None => Ok(()),
+            SizeArray::Int(p) if !p.is_null() => {
+                let v = c_int::try_from(v).map_err(|_| {
+                    Error::internal(format!("{what} {v} does not fit the int NCCL passes"))
+                })?;
+                // SAFETY: non-NULL, and the caller bounds `i`.
+                unsafe { *p.add(i) = v };
+                Ok(())
+            }
+            SizeArray::Size(p) if !p.is_null() => {
+                // SAFETY: non-NULL, and the caller bounds `i`.
+                unsafe { *p.add(i) = v };
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Conversion of a C argument to the core's argument type.
+pub trait Conv<T> {
+    /// Converts.
+    fn conv(self) -> T;
+}
+
+impl<T, U> Conv<*mut U> for *mut T {
+    fn conv(self) -> *mut U {
+        self.cast()
+    }
+}
+impl<T, U> Conv<*const U> for *const T {
+    fn conv(self) -> *const U {
+        self.cast()
+    }
+}
+macro_rules! same {
+    ($($t:ty),*) => { $(impl Conv<$t> for $t { fn conv(self) -> $t { self } })* };
+}
+same!(c_int, u64, Option<Logger>);
+impl Conv<CSize> for c_int {
+    fn conv(self) -> CSize {
+        CSize::Int(self)
+    }
+}
+impl Conv<CSize> for usize {
+    fn conv(self) -> CSize {
+        CSize::Size(self)
+    }
+}
+impl Conv<SizeArray> for *mut c_int {
+    fn conv(self) -> SizeArray {
+        SizeArray::Int(self)
+    }
+}
+impl Conv<SizeArray> for *mut usize {
+    fn conv(self) -> SizeArray {
+        SizeArray::Size(self)
+    }
+}
+
+/// Declares argument structs whose fields default to NULL / 0.
+macro_rules! args {
+    ($($member:ident { $($field:ident: $ty:ty = $default:expr),* $(,)? })*) => {
+        $(
+            #[allow(non_camel_case_types, non_snake_case, missing_docs)]
+            #[derive(Debug, Clone, Copy)]
+            pub struct $member { $(pub $field: $ty),* }
+            impl Default for $member {
+                fn default() -> Self { Self { $($field: $default),* } }
+            }
+        )*
+    };
+}
+
+const NULL: *mut c_void = std::ptr::null_mut();
+const NULL2: *mut *mut c_void = std::ptr::null_mut();
+
+/// `ncclNetCommConfig_vN_t` (v10+), the same in every version.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CommConfig {
+    /// -1: undefined.
+    pub traffic_class: c_int,
+}
+
+fn handle<'a>(p: *mut c_void) -> Result<&'a mut [u8; crate::proto::wire::HANDLE_SIZE]> {
+    // SAFETY: NCCL's handle buffer is NCCL_NET_HANDLE_MAXSIZE (128) bytes.
+    unsafe { p.cast::<[u8; crate::proto::wire::HANDLE_SIZE]>().as_mut() }
+        .ok_or_else(|| Error::internal("NULL connection handle"))
+}
+
+fn ctx_or_process(ctx: *mut c_void) -> Result<*mut c_void> {
+    if ctx.is_null() {
+        core::process_ctx()
+    } else {
+        Ok(ctx)
+    }
+}
+
+/// The `ncclNet` members (functions named after them, as NCCL spells them).
+#[allow(non_snake_case)]
+pub mod net {
+    use super::*;
+
+    /// Argument structs, one per member, fields named as in NCCL's headers.
+    #[allow(non_snake_case)]
+    pub mod args {
+        use super::*;
+        args! {
+            init { ctx: *mut *mut c_void = NULL2, commId: u64 = 0, config: *mut CommConfig = std::ptr::null_mut(),
+                   logFunction: Option<Logger> = None, profFunction: *mut c_void = NULL }
+            devices { ndev: *mut c_int = std::ptr::null_mut() }
+            listen { ctx: *mut c_void = NULL, dev: c_int = 0, handle: *mut c_void = NULL, listenComm: *mut *mut c_void = NULL2 }
+            connect { ctx: *mut c_void = NULL, dev: c_int = 0, config: *mut CommConfig = std::ptr::null_mut(),
+                      handle: *mut c_void = NULL, sendComm: *mut *mut c_void = NULL2, sendDevComm: *mut *mut c_void = NULL2 }
+            accept { listenComm: *mut c_void = NULL, recvComm: *mut *mut c_void = NULL2, recvDevComm: *mut *mut c_void = NULL2 }
+            regMr { comm: *mut c_void = NULL, data: *mut c_void = NULL, size: CSize = CSize::None, type_: c_int = 0,
+                    mhandle: *mut *mut c_void = NULL2 }
+            deregMr { comm: *mut c_void = NULL, mhandle: *mut c_void = NULL }
+            isend { sendComm: *mut c_void = NULL, data: *mut c_void = NULL, size: CSize = CSize::None, tag: c_int = 0,
+                    mhandle: *mut c_void = NULL, phandle: *mut c_void = NULL, request: *mut *mut c_void = NULL2 }
+            irecv { recvComm: *mut c_void = NULL, n: c_int = 0, data: *mut *mut c_void = NULL2, sizes: SizeArray = SizeArray::None,
+                    tags: *mut c_int = std::ptr::null_mut(), mhandles: *mut *mut c_void = NULL2,
+                    phandles: *mut *mut c_void = NULL2, request: *mut *mut c_void = NULL2 }
+            iflush { recvComm: *mut c_void = NULL, n: c_int = 0, data: *mut *mut c_void = NULL2, sizes: SizeArray = SizeArray::None,
+                     mhandles: *mut *mut c_void = NULL2, request: *mut *mut c_void = NULL2 }
+            test { request: *mut c_void = NULL, done: *mut c_int = std::ptr::null_mut(), sizes: *mut c_int = std::ptr::null_mut() }
+            closeSend { sendComm: *mut c_void = NULL }
+            closeRecv { recvComm: *mut c_void = NULL }
+            closeListen { listenComm: *mut c_void = NULL }
+            finalize { ctx: *mut c_void = NULL }
+            setNetAttr { ctx: *mut c_void = NULL, netAttr: *mut c_void = NULL }
+        }
+    }
+
+    /// `init`: a context per communicator (v11+) or the process context.
+    pub fn init(a: args::init) -> Result<()> {
+        let profiler = (!a.profFunction.is_null()).then_some(a.profFunction as usize);
+        if a.ctx.is_null() {
+            return core::init_process(a.logFunction, profiler);
+        }
+        // SAFETY: non-NULL config points to NCCL's ncclNetCommConfig.
+        let tc = unsafe { a.config.as_ref() }.map_or(-1, |c| c.traffic_class);
+        let ctx = core::init(core::InitArgs {
+            logger: a.logFunction,
+            profiler,
+            comm_id: a.commId,
+            traffic_class: tc,
+        })?;
+        write(a.ctx, ctx, "ctx")
+    }
+
+    /// `devices`.
+    pub fn devices(a: args::devices) -> Result<()> {
+        let n = core::devices()?;
+        write(a.ndev, c_int::try_from(n).unwrap_or(c_int::MAX), "ndev")
+    }
+
+    /// `getProperties`: `fill` writes the version's struct.
+    pub fn get_properties(dev: c_int, fill: impl FnOnce(&Properties) -> Result<()>) -> Result<()> {
+        core::with_properties(dev, fill)
+    }
+
+    /// `listen`.
+    pub fn listen(a: args::listen) -> Result<()> {
+        let l = core::listen(ctx_or_process(a.ctx)?, a.dev, handle(a.handle)?)?;
+        write(a.listenComm, l, "listenComm")
+    }
+
+    /// `connect`: `*sendComm` stays NULL until connected.
+    pub fn connect(a: args::connect) -> Result<()> {
+        let out = out_ref(a.sendComm, "sendComm")?;
+        *out = std::ptr::null_mut();
+        // No device offload: a device-handle slot, if any, stays NULL.
+        if let Ok(dc) = out_ref(a.sendDevComm, "sendDevComm") {
+            *dc = std::ptr::null_mut();
+        }
+        // SAFETY: non-NULL config points to NCCL's ncclNetCommConfig (v10).
+        let tc = unsafe { a.config.as_ref() }.map(|c| c.traffic_class);
+        if let Some(c) = core::connect(ctx_or_process(a.ctx)?, a.dev, tc, handle(a.handle)?)? {
+            *out = c;
+        }
+        Ok(())
+    }
+
+    /// `accept`: `*recvComm` stays NULL until a peer connected.
+    pub fn accept(a: args::accept) -> Result<()> {
+        let out = out_ref(a.recvComm, "recvComm")?;
+        *out = std::ptr::null_mut();
+        if let Some(c) = core::accept(a.listenComm)? {
+            *out = c;
+        }
+        Ok(())
+    }
+
+    /// `regMr`.
+    pub fn regMr(a: args::regMr) -> Result<()> {
+        let mh = core::reg_mr(a.comm, a.data, a.size.get("size")?, a.type_)?;
+        write(a.mhandle, mh, "mhandle")
+    }
+
+    /// `deregMr`.
+    pub fn deregMr(a: args::deregMr) -> Result<()> {
+        core::dereg_mr(a.comm, a.mhandle)
+    }
+
+    /// `isend`: `*request` is always written (NULL = retry later).
+    pub fn isend(a: args::isend) -> Result<()> {
+        let out = out_ref(a.request, "request")?;
+        *out = std::ptr::null_mut();
+        let size = a.size.get("size")?;
+        if let Some(r) = core::isend(a.sendComm, a.data, size, a.tag, a.mhandle, a.phandle)? {
+            *out = r;
+        }
+        Ok(())
+    }
+
+    fn n_of(n: c_int) -> Result<usize> {
+        usize::try_from(n)
+            .ok()
+            .filter(|&n| (1..=core::props::MAX_RECVS).contains(&n))
+            .ok_or_else(|| {
+                Error::internal(format!(
+                    "n = {n}: must be 1 ..= {} (maxRecvs)",
+                    core::props::MAX_RECVS
+                ))
+            })
+    }
+
+    /// `irecv`: the value NCCL leaves in `*request` (stale, or 0x1) is ignored.
+    pub fn irecv(a: args::irecv) -> Result<()> {
+        let out = out_ref(a.request, "request")?;
+        *out = std::ptr::null_mut();
+        let n = n_of(a.n)?;
+        if a.data.is_null() || a.tags.is_null() || a.mhandles.is_null() {
+            return Err(Error::internal("irecv: NULL data, tags or mhandles array"));
+        }
+        let mut bufs = [core::RecvArg {
+            data: NULL,
+            size: 0,
+            tag: 0,
+            mhandle: NULL,
+            phandle: NULL,
+        }; core::props::MAX_RECVS];
+        for (i, b) in bufs.iter_mut().enumerate().take(n) {
+            // SAFETY: NCCL's arrays have n entries (checked non-NULL above).
+            unsafe {
+                *b = core::RecvArg {
+                    data: *a.data.add(i),
+                    size: a.sizes.get(i, "sizes")?,
+                    tag: *a.tags.add(i),
+                    mhandle: *a.mhandles.add(i),
+                    phandle: if a.phandles.is_null() {
+                        NULL
+                    } else {
+                        *a.phandles.add(i)
+                    },
+                };
+            }
+        }
+        if let Some(r) = core::irecv(a.recvComm, &bufs[..n])? {
+            *out = r;
+        }
+        Ok(())
+    }
+
+    /// `iflush`: host memory needs none (NULL request = done).
+    pub fn iflush(a: args::iflush) -> Result<()> {
+        let out = out_ref(a.request, "request")?;
+        *out = std::ptr::null_mut();
+        if let Some(r) = core::iflush(a.recvComm, n_of(a.n)?)? {
+            *out = r;
+        }
+        Ok(())
+    }
+
+    /// `test`: writes `*done` and, when done, the sizes (as `int`).
+    pub fn test(a: args::test) -> Result<()> {
+        let done = out_ref(a.done, "done")?;
+        *done = 0;
+        if let Some(d) = core::test(a.request)? {
+            let sizes = SizeArray::Int(a.sizes);
+            for i in 0..d.n {
+                // SAFETY: NCCL passes at least n entries (one for a send).
+                unsafe { sizes.set(i, d.sizes[i], "received size")? };
+            }
+            *done = 1;
+        }
+        Ok(())
+    }
+
+    /// `closeSend`.
+    pub fn closeSend(a: args::closeSend) -> Result<()> {
+        core::close_send(a.sendComm)
+    }
+
+    /// `closeRecv`.
+    pub fn closeRecv(a: args::closeRecv) -> Result<()> {
+        core::close_recv(a.recvComm)
+    }
+
+    /// `closeListen`.
+    pub fn closeListen(a: args::closeListen) -> Result<()> {
+        core::close_listen(a.listenComm)
+    }
+
+    /// `finalize(ctx)`.
+    pub fn finalize(a: args::finalize) -> Result<()> {
+        core::finalize(a.ctx)
+    }
+
+    /// `setNetAttr`: a tuning hint; accepted, and nothing in SENDRECV uses it.
+    pub fn setNetAttr(a: args::setNetAttr) -> Result<()> {
+        core::check_ctx(a.ctx)
+    }
+}
+
+/// The `ncclCollNet` members. This build has no CollNet core: `devices()`
+/// reports 0, NCCL's way of saying "no CollNet here", and `init` allocates
+/// nothing (NCCL never finalizes a CollNet it does not use).
+#[allow(non_snake_case)]
+pub mod collnet {
+    use super::*;
+
+    /// Argument structs, one per member.
+    #[allow(non_snake_case)]
+    pub mod args {
+        use super::*;
+        args! {
+            init { ctx: *mut *mut c_void = NULL2, commId: u64 = 0, logFunction: Option<Logger> = None }
+            devices { ndev: *mut c_int = std::ptr::null_mut() }
+            listen { ctx: *mut c_void = NULL, dev: c_int = 0, handle: *mut c_void = NULL, listenComm: *mut *mut c_void = NULL2 }
+            connect { handles: *mut *mut c_void = NULL2, nranks: c_int = 0, rank: c_int = 0, listenComm: *mut c_void = NULL,
+                      collComm: *mut *mut c_void = NULL2 }
+            reduceSupport { dataType: c_int = 0, redOp: c_int = 0, supported: *mut c_int = std::ptr::null_mut() }
+            regMr { collComm: *mut c_void = NULL, data: *mut c_void = NULL, size: CSize = CSize::None, type_: c_int = 0,
+                    mhandle: *mut *mut c_void = NULL2 }
+            deregMr { collComm: *mut c_void = NULL, mhandle: *mut c_void = NULL }
+            iallreduce { collComm: *mut c_void = NULL, sendData: *mut c_void = NULL, recvData: *mut c_void = NULL,
+                         count: CSize = CSize::None, dataType: c_int = 0, redOp: c_int = 0, sendMhandle: *mut c_void = NULL,
+                         recvMhandle: *mut c_void = NULL, request: *mut *mut c_void = NULL2 }
+            iflush { collComm: *mut c_void = NULL, data: *mut c_void = NULL, size: CSize = CSize::None, mhandle: *mut c_void = NULL,
+                     request: *mut *mut c_void = NULL2 }
+            test { request: *mut c_void = NULL, done: *mut c_int = std::ptr::null_mut(), size: *mut c_int = std::ptr::null_mut() }
+            closeColl { collComm: *mut c_void = NULL }
+            closeListen { listenComm: *mut c_void = NULL }
+            finalize { ctx: *mut c_void = NULL }
+        }
+    }
+
+    /// The context handed out by v11+ `init`: a static token, nothing allocated.
+    static CTX: u8 = 0;
+
+    fn none(what: &str) -> Error {
+        Error::internal(format!(
+            "CollNet {what}: this build has no CollNet devices (devices() = 0)"
+        ))
+    }
+
+    /// `init`: succeeds, allocating nothing.
+    pub fn init(a: args::init) -> Result<()> {
+        crate::log::set_logger(a.logFunction);
+        if !a.ctx.is_null() {
+            write(a.ctx, (&raw const CTX).cast_mut().cast(), "ctx")?;
+        }
+        Ok(())
+    }
+    /// `devices`: 0.
+    pub fn devices(a: args::devices) -> Result<()> {
+        write(a.ndev, 0, "ndev")
+    }
+    /// `getProperties`: no device exists.
+    pub fn get_properties(dev: c_int, _fill: impl FnOnce(&Properties) -> Result<()>) -> Result<()> {
+        Err(none(&format!("getProperties({dev})")))
+    }
+    /// `listen`.
+    pub fn listen(_: args::listen) -> Result<()> {
+        Err(none("listen"))
+    }
+    /// `connect`.
+    pub fn connect(_: args::connect) -> Result<()> {
+        Err(none("connect"))
+    }
+    /// `reduceSupport`: nothing is supported.
+    pub fn reduceSupport(a: args::reduceSupport) -> Result<()> {
+        write(a.supported, 0, "supported")
+    }
+    /// `regMr`.
+    pub fn regMr(_: args::regMr) -> Result<()> {
+        Err(none("regMr"))
+    }
+    /// `deregMr`.
+    pub fn deregMr(_: args::deregMr) -> Result<()> {
+        Err(none("deregMr"))
+    }
+    /// `iallreduce`.
+    pub fn iallreduce(_: args::iallreduce) -> Result<()> {
+        Err(none("iallreduce"))
+    }
+    /// `iflush`.
+    pub fn iflush(_: args::iflush) -> Result<()> {
+        Err(none("iflush"))
+    }
+    /// `test`.
+    pub fn test(_: args::test) -> Result<()> {
+        Err(none("test"))
+    }
+    /// `closeColl`.
+    pub fn closeColl(_: args::closeColl) -> Result<()> {
+        Err(none("closeColl"))
+    }
+    /// `closeListen`.
+    pub fn closeListen(_: args::closeListen) -> Result<()> {
+        Err(none("closeListen"))
+    }
+    /// `finalize`: the static context needs nothing.
+    pub fn finalize(a: args::finalize) -> Result<()> {
+        if a.ctx != (&raw const CTX).cast_mut().cast() {
+            return Err(Error::internal(format!(
+                "CollNet finalize: {:p} is not a Weft CollNet context",
+                a.ctx
+            )));
+        }
+        Ok(())
+    }
+}
