@@ -2,6 +2,7 @@
 //! logger, loopback configuration, and event-driven poll loops with generous
 //! timeouts (this machine is small and shared; tests never sleep to sync).
 
+pub mod emu;
 pub mod host;
 pub mod peer;
 
