@@ -467,3 +467,82 @@ pub fn first_difference(old: &Descriptor, new: &Descriptor) -> Option<String> {
     }
     (old != new).then(|| "descriptors differ (struct order)".to_owned())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn committed(name: &str) -> Descriptor {
+        let path = format!(
+            "{}/../api-versions/src/generated/{name}.rs",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let text = std::fs::read_to_string(&path).unwrap();
+        weft_api::model::parse_str(&body_of_file(&text).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn committed_files_round_trip() {
+        for fam in ["net", "collnet"] {
+            for v in 5..=12 {
+                let d = committed(&format!("{fam}_v{v}"));
+                assert_eq!((d.family.as_str(), d.version), (fam, v));
+                let again = weft_api::model::parse_str(&d.to_string()).unwrap();
+                assert_eq!(again, d);
+                assert!(first_difference(&d, &again).is_none());
+            }
+        }
+    }
+
+    #[test]
+    fn a_changed_member_is_named() {
+        let d = committed("net_v9");
+        let mut changed = d.clone();
+        if let Member::Fn { args, .. } = &mut changed.table[10] {
+            args[2].ty = Ty::Name("c_int".into());
+        }
+        let diff = first_difference(&d, &changed).unwrap();
+        assert!(diff.contains("member #11 `isend`"), "{diff}");
+        let mut shorter = d.clone();
+        shorter.table.pop();
+        let diff = first_difference(&shorter, &d).unwrap();
+        assert!(diff.contains("makeVDevice"), "{diff}");
+        let mut field = d.clone();
+        field
+            .structs
+            .iter_mut()
+            .find(|s| s.name == "ncclNetProperties_v9_t")
+            .unwrap()
+            .fields[6]
+            .ty = Ty::Name("u64".into());
+        let diff = first_difference(&d, &field).unwrap();
+        assert!(
+            diff.contains("ncclNetProperties_v9_t field `speed`"),
+            "{diff}"
+        );
+    }
+
+    #[test]
+    fn names_are_normalised_per_version() {
+        assert_eq!(
+            normalise("ncclNetProperties_v6_t", 5),
+            "ncclNetProperties_v5_t"
+        );
+        assert_eq!(
+            normalise("ncclNetDeviceHandle_v7_t", 9),
+            "ncclNetDeviceHandle_v9_t"
+        );
+        assert_eq!(normalise("ncclResult_t", 9), "ncclResult_t");
+    }
+
+    #[test]
+    fn file_text_round_trips() {
+        let d = committed("collnet_v11");
+        let text = render_file(&d, "test");
+        assert!(text.starts_with(GENERATED));
+        assert_eq!(
+            weft_api::model::parse_str(&body_of_file(&text).unwrap()).unwrap(),
+            d
+        );
+    }
+}
