@@ -11,13 +11,32 @@ use std::time::{Duration, Instant};
 use weft::config::{Config, Param};
 
 /// Switches read only by Weft's tests and demo (never by the plugin).
-pub const TEST_PARAMS: &[Param] = &[Param {
-    name: "WEFT_TEST_TIMEOUT",
-    default: "300",
-    accepted: "seconds, decimals allowed, 0.1 ..= 3600",
-    meaning:
-        "how long a test's poll loop waits for an event before failing (it prints the load average)",
-}];
+pub const TEST_PARAMS: &[Param] = &[
+    Param {
+        name: "WEFT_TEST_TIMEOUT",
+        default: "300",
+        accepted: "seconds, decimals allowed, 0.1 ..= 3600",
+        meaning: "how long a test's poll loop waits for an event before failing (it prints the load average)",
+    },
+    Param {
+        name: "WEFT_TEST_PLUGIN",
+        default: "set by ./weft test; else target/<profile>/libnccl_net_weft.so",
+        accepted: "path to the built plugin",
+        meaning: "the library the dlopen tests load",
+    },
+    Param {
+        name: "WEFT_TEST_NCCL_HEADERS",
+        default: "set by ./weft test; else target/nccl-headers",
+        accepted: "directory with 2.18.3/ and 2.23.4/ include files",
+        meaning: "NCCL's real headers for the codegen check of v5..v8",
+    },
+    Param {
+        name: "WEFT_TEST_OFFLINE",
+        default: "unset",
+        accepted: "`1`",
+        meaning: "without PyPI access: the codegen check against NCCL's wheels says it did not run instead of failing",
+    },
+];
 
 /// The poll-loop timeout (`WEFT_TEST_TIMEOUT`, default 300 s).
 pub fn timeout() -> Duration {
