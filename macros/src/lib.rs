@@ -18,6 +18,9 @@
 //! Completeness is checked here: a member or props field the core does not
 //! serve is a compile error naming it and the version, unless the mapping
 //! says `null` (only for members NCCL treats as optional) or gives a value.
+//! The default mapping leaves NULL what Weft does not offer: device offload
+//! (`getDeviceMr`, `irecvConsumed`), DMA-BUF, NIC fusion (`makeVDevice`) and
+//! CollNet's `iallgather`/`ireducescatter`.
 
 use proc_macro::TokenStream;
 use proc_macro2::{Span, TokenStream as Tokens};
@@ -62,15 +65,14 @@ const SERVED_COLLNET: &[&str] = &[
     "closeListen",
     "finalize",
 ];
-/// Members NCCL accepts as NULL (reference §4.1).
-const OPTIONAL: &[&str] = &[
-    "getDeviceMr",
-    "irecvConsumed",
-    "makeVDevice",
-    "setNetAttr",
-    "regMrDmaBuf",
-    "iallgather",
-    "ireducescatter",
+/// Members NCCL calls unconditionally, which can never be NULL (reference
+/// §4.1: the optional ones are getDeviceMr, irecvConsumed, makeVDevice,
+/// setNetAttr, regMrDmaBuf, iallgather, ireducescatter; a member a future
+/// NCCL adds is optional unless listed here).
+const MANDATORY: &[&str] = &[
+    "init", "devices", "getProperties", "listen", "connect", "accept", "regMr", "deregMr", "isend",
+    "irecv", "iflush", "test", "closeSend", "closeRecv", "closeListen", "finalize", "reduceSupport",
+    "iallreduce", "closeColl",
 ];
 /// What the default mapping leaves NULL: no device offload, no DMA-BUF, no
 /// NIC fusion, no CollNet gather/scatter.
@@ -88,7 +90,6 @@ struct Mapping {
     core: Path,
     null: Vec<Ident>,
     props: Vec<(Ident, syn::Expr)>,
-    explicit_null: bool,
 }
 
 impl Parse for Mapping {
@@ -97,7 +98,6 @@ impl Parse for Mapping {
             core: syn::parse_quote!(crate::adapter),
             null: Vec::new(),
             props: Vec::new(),
-            explicit_null: false,
         };
         while !input.is_empty() {
             let key: Ident = input.parse()?;
@@ -114,7 +114,6 @@ impl Parse for Mapping {
                         .parse_terminated(Ident::parse, Token![,])?
                         .into_iter()
                         .collect();
-                    m.explicit_null = true;
                 }
                 "props" => {
                     let c;
@@ -280,16 +279,12 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
     let module = format_ident!("{}_v{}", family, d.version);
     let table = format_ident!("{}", d.table_name);
 
-    // Mapped NULLs must be optional members of this table.
-    let mut null: Vec<String> = if m.explicit_null {
-        Vec::new()
-    } else {
-        DEFAULT_NULL.iter().map(|s| (*s).to_owned()).collect()
-    };
+    // Mapped NULLs (added to the defaults) must be optional members of this table.
+    let mut null: Vec<String> = DEFAULT_NULL.iter().map(|s| (*s).to_owned()).collect();
     for id in &m.null {
         let n = id.to_string();
-        if !OPTIONAL.contains(&n.as_str()) {
-            return Err(syn::Error::new(id.span(), format!("{label}: member `{n}` cannot be NULL: NCCL calls it unconditionally (optional members: {})", OPTIONAL.join(", "))));
+        if MANDATORY.contains(&n.as_str()) {
+            return Err(syn::Error::new(id.span(), format!("{label}: member `{n}` cannot be NULL: NCCL calls it unconditionally")));
         }
         if !d.table.iter().any(|mm| mm.name() == n) {
             return Err(syn::Error::new(
@@ -481,4 +476,45 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
             pub static #symbol: #table = #table { #(#inits,)* };
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A v99 table shaped like the next NCCL: v12's essentials plus a new
+    /// member and a new props field.
+    fn v99(mapping: &str) -> syn::Result<Tokens> {
+        let text = format!(
+            "mapping {{ core = mock; {mapping} }}
+             family = net; version = 99;
+             results {{ ncclSuccess = 0, ncclSystemError = 2, ncclInternalError = 3, ncclInvalidUsage = 5, ncclRemoteError = 6 }}
+             struct ncclNetProperties_v99_t {{ name: *mut c_char, speed: c_int, newField: c_int }}
+             table ncclNet_v99_t {{
+                 name: *const c_char,
+                 devices: fn(ndev: *mut c_int) -> ncclResult_t,
+                 getProperties: fn(dev: c_int, props: *mut ncclNetProperties_v99_t) -> ncclResult_t,
+                 newHook: fn(comm: *mut c_void, flags: c_int) -> ncclResult_t,
+             }}"
+        );
+        let input: Input = syn::parse_str(&text)?;
+        expand(&input)
+    }
+
+    #[test]
+    fn unserved_member_and_field_are_named_with_the_version() {
+        let e = v99("").unwrap_err().to_string();
+        assert!(e.contains("ncclNet v99: props field `ncclNetProperties_v99_t.newField` is not served"), "{e}");
+        let e = v99("props { newField = 0 }").unwrap_err().to_string();
+        assert!(e.contains("ncclNet v99: member `newHook` is not served by the core"), "{e}");
+        assert!(v99("null = [newHook]; props { newField = 0 }").is_ok());
+    }
+
+    #[test]
+    fn mandatory_members_cannot_be_null() {
+        let e = v99("null = [devices];").unwrap_err().to_string();
+        assert!(e.contains("`devices` cannot be NULL"), "{e}");
+        let e = v99("null = [newHook]; props { newField = 0, nosuch = 1 }").unwrap_err().to_string();
+        assert!(e.contains("has no field `nosuch`"), "{e}");
+    }
 }
