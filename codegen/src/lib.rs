@@ -468,6 +468,111 @@ pub fn first_difference(old: &Descriptor, new: &Descriptor) -> Option<String> {
     (old != new).then(|| "descriptors differ (struct order)".to_owned())
 }
 
+/// A C spelling of a descriptor type, for synthetic headers.
+fn c_ty(t: &Ty) -> String {
+    match t {
+        Ty::Name(n) => match n.as_str() {
+            "c_int" => "int",
+            "c_uint" => "unsigned int",
+            "c_char" => "char",
+            "c_void" => "void",
+            "c_ulong" => "unsigned long",
+            "c_long" => "long",
+            "usize" => "size_t",
+            "u64" => "uint64_t",
+            "i64" => "int64_t",
+            "u32" => "uint32_t",
+            "i32" => "int32_t",
+            "u16" => "uint16_t",
+            "i16" => "int16_t",
+            "f32" => "float",
+            other => other,
+        }
+        .to_owned(),
+        Ty::Ptr { mutable: true, to } => format!("{}*", c_ty(to)),
+        Ty::Ptr { mutable: false, to } => format!("const {}*", c_ty(to)),
+        Ty::Array(t, _) => c_ty(t),
+    }
+}
+
+fn c_decl(name: &str, t: &Ty) -> String {
+    match t {
+        Ty::Array(inner, n) => format!("{} {name}[{n}]", c_ty(inner)),
+        other => format!("{} {name}", c_ty(other)),
+    }
+}
+
+/// Writes a descriptor back out as an installed-layout header set
+/// (`nccl.h` + `nccl_net.h`) in `dir`. The text is Weft's own rendering of
+/// its descriptor, used to test codegen on APIs NCCL has not published.
+pub fn write_synthetic_headers(d: &Descriptor, dir: &Path) -> std::io::Result<()> {
+    let results: Vec<String> = d
+        .results
+        .iter()
+        .map(|(n, v)| format!("{n} = {v}"))
+        .collect();
+    let nccl_h = format!(
+        "/* synthetic: written by weft-codegen from a Weft descriptor */\n#include <stddef.h>\n#include <stdint.h>\n\
+         typedef enum {{ {} }} ncclResult_t;\n",
+        results.join(", ")
+    );
+    let mut net = String::from(
+        "/* synthetic: written by weft-codegen from a Weft descriptor */\n#include \"nccl.h\"\n\
+         typedef enum {NCCL_LOG_NONE=0, NCCL_LOG_WARN=2, NCCL_LOG_INFO=3, NCCL_LOG_TRACE=5} ncclDebugLogLevel;\n\
+         typedef void (*ncclDebugLogger_t)(ncclDebugLogLevel level, unsigned long flags, const char* file, int line, const char* fmt, ...);\n\
+         typedef ncclResult_t (*ncclProfilerCallback_t)(void** eHandle, int type, void* pHandle, int64_t pluginId, void* extData);\n\
+         typedef enum {NCCL_NET_DEVICE_HOST=0, NCCL_NET_DEVICE_UNPACK=1} ncclNetDeviceType;\n",
+    );
+    for s in &d.structs {
+        net.push_str("typedef struct {\n");
+        for f in &s.fields {
+            net.push_str(&format!("  {};\n", c_decl(&f.name, &f.ty)));
+        }
+        net.push_str(&format!("}} {};\n", s.name));
+    }
+    net.push_str("typedef struct {\n");
+    for m in &d.table {
+        match m {
+            Member::Data(f) => net.push_str(&format!("  {};\n", c_decl(&f.name, &f.ty))),
+            Member::Fn { name, args, ret } => {
+                let a: Vec<String> = args
+                    .iter()
+                    .map(|f| c_decl(f.name.trim_end_matches('_'), &f.ty))
+                    .collect();
+                net.push_str(&format!("  {} (*{name})({});\n", c_ty(ret), a.join(", ")));
+            }
+        }
+    }
+    net.push_str(&format!("}} {};\n", d.table_name));
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("nccl.h"), nccl_h)?;
+    std::fs::write(dir.join("nccl_net.h"), net)
+}
+
+/// A copy of `d` as API version `to`: every `_v<old>_t` name renamed.
+pub fn as_version(d: &Descriptor, to: u32) -> Descriptor {
+    let mut out = d.clone();
+    out.version = to;
+    out.table_name = normalise(&d.table_name, to);
+    for s in &mut out.structs {
+        s.name = normalise(&s.name, to);
+        for f in &mut s.fields {
+            f.ty = rename(&f.ty, to);
+        }
+    }
+    for m in &mut out.table {
+        match m {
+            Member::Data(f) => f.ty = rename(&f.ty, to),
+            Member::Fn { args, .. } => {
+                for a in args {
+                    a.ty = rename(&a.ty, to);
+                }
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -70,9 +70,25 @@ const SERVED_COLLNET: &[&str] = &[
 /// setNetAttr, regMrDmaBuf, iallgather, ireducescatter; a member a future
 /// NCCL adds is optional unless listed here).
 const MANDATORY: &[&str] = &[
-    "init", "devices", "getProperties", "listen", "connect", "accept", "regMr", "deregMr", "isend",
-    "irecv", "iflush", "test", "closeSend", "closeRecv", "closeListen", "finalize", "reduceSupport",
-    "iallreduce", "closeColl",
+    "init",
+    "devices",
+    "getProperties",
+    "listen",
+    "connect",
+    "accept",
+    "regMr",
+    "deregMr",
+    "isend",
+    "irecv",
+    "iflush",
+    "test",
+    "closeSend",
+    "closeRecv",
+    "closeListen",
+    "finalize",
+    "reduceSupport",
+    "iallreduce",
+    "closeColl",
 ];
 /// What the default mapping leaves NULL: no device offload, no DMA-BUF, no
 /// NIC fusion, no CollNet gather/scatter.
@@ -284,7 +300,10 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
     for id in &m.null {
         let n = id.to_string();
         if MANDATORY.contains(&n.as_str()) {
-            return Err(syn::Error::new(id.span(), format!("{label}: member `{n}` cannot be NULL: NCCL calls it unconditionally")));
+            return Err(syn::Error::new(
+                id.span(),
+                format!("{label}: member `{n}` cannot be NULL: NCCL calls it unconditionally"),
+            ));
         }
         if !d.table.iter().any(|mm| mm.name() == n) {
             return Err(syn::Error::new(
@@ -504,9 +523,15 @@ mod tests {
     #[test]
     fn unserved_member_and_field_are_named_with_the_version() {
         let e = v99("").unwrap_err().to_string();
-        assert!(e.contains("ncclNet v99: props field `ncclNetProperties_v99_t.newField` is not served"), "{e}");
+        assert!(
+            e.contains("ncclNet v99: props field `ncclNetProperties_v99_t.newField` is not served"),
+            "{e}"
+        );
         let e = v99("props { newField = 0 }").unwrap_err().to_string();
-        assert!(e.contains("ncclNet v99: member `newHook` is not served by the core"), "{e}");
+        assert!(
+            e.contains("ncclNet v99: member `newHook` is not served by the core"),
+            "{e}"
+        );
         assert!(v99("null = [newHook]; props { newField = 0 }").is_ok());
     }
 
@@ -514,7 +539,9 @@ mod tests {
     fn mandatory_members_cannot_be_null() {
         let e = v99("null = [devices];").unwrap_err().to_string();
         assert!(e.contains("`devices` cannot be NULL"), "{e}");
-        let e = v99("null = [newHook]; props { newField = 0, nosuch = 1 }").unwrap_err().to_string();
+        let e = v99("null = [newHook]; props { newField = 0, nosuch = 1 }")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("has no field `nosuch`"), "{e}");
     }
 }
