@@ -12,7 +12,7 @@
 #![allow(clippy::undocumented_unsafe_blocks)]
 
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use weft as g;
 
@@ -22,11 +22,29 @@ pub fn plugin_path() -> PathBuf {
     if let Ok(p) = std::env::var("WEFT_TEST_PLUGIN") {
         return PathBuf::from(p);
     }
+    // Test binaries live in target/<profile>/deps, binaries in target/<profile>.
     let exe = std::env::current_exe().expect("current_exe");
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>")
-        .join("libnccl_net_weft.so")
+    let dir = exe.parent().expect("exe dir");
+    [dir, dir.parent().unwrap_or(dir)]
+        .iter()
+        .map(|d| d.join("libnccl_net_weft.so"))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| dir.join("libnccl_net_weft.so"))
+}
+
+/// The NCCL releases that pick each net API version (reference §4.3).
+pub fn releases(version: u32) -> &'static str {
+    match version {
+        5 => "2.12",
+        6 => "2.13-2.18",
+        7 => "2.19",
+        8 => "2.20-2.23",
+        9 => "2.24-2.25",
+        10 => "2.26-2.27",
+        11 => "2.28-2.29",
+        12 => "2.30-",
+        _ => "?",
+    }
 }
 
 /// Opens the plugin as NCCL does.

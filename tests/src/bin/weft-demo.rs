@@ -1,25 +1,225 @@
-//! The README's first command. Today it shows what Weft would carry NCCL's
-//! traffic over on this host: the libfabric version, every provider offering
-//! reliable tagged endpoints, and the devices Weft picks (honouring `WEFT_*`).
+//! The README's first command: shows what Weft runs on here, then moves data
+//! between two processes through every exported `ncclNetPlugin_vN` table,
+//! loaded with dlopen and called with that version's signatures, and prints
+//! per version: the NCCL releases that pick it, messages and bytes moved,
+//! whether every byte was verified, and the bandwidth.
 //!
-//! Usage: weft-demo [--provider NAME]
+//! Usage: weft-demo [--provider NAME]   (default tcp, pinned to lo; or shm)
 
-use std::collections::BTreeMap;
-use std::process::ExitCode;
+use std::ffi::{c_int, c_void};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, ExitCode, Stdio};
 use std::time::Instant;
 
-use weft::config::{canonical_provider, Config};
-use weft::fabric::{Hints, InfoList};
+use weft_tests::emu::{self, Net};
+use weft_tests::host::pattern;
+use weft_tests::poll_until;
+
+const MESSAGES: usize = 64;
+const SIZE: usize = 1 << 20;
+const WINDOW: usize = 8;
+const TAG: c_int = 3;
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn check(what: &str, r: c_int) -> Result<(), String> {
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(format!("{what} returned {r}"))
+    }
+}
+
+fn configure(provider: &str) {
+    std::env::set_var("WEFT_PROVIDER", provider);
+    if provider.starts_with("tcp") {
+        std::env::set_var("WEFT_IFACE", "lo");
+        std::env::set_var("FI_TCP_IFACE", "lo");
+    }
+}
+
+/// The receiving process: listen, print the handle, accept, receive and verify.
+fn serve(version: u32, provider: &str) -> Result<(), String> {
+    configure(provider);
+    let lib = emu::open();
+    let n = emu::net(&lib, version);
+    let mut ctx = std::ptr::null_mut();
+    let mut h = [0u8; 128];
+    let (mut l, mut r) = (std::ptr::null_mut(), std::ptr::null_mut());
+    let mut buf = vec![0u8; SIZE * WINDOW];
+    let mut mh = std::ptr::null_mut();
+    // SAFETY: NCCL's calling convention; buffers outlive their requests.
+    unsafe {
+        check("init", n.init(&mut ctx))?;
+        check("listen", n.listen(ctx, 0, h.as_mut_ptr().cast(), &mut l))?;
+        println!("handle {}", hex(&h));
+        std::io::stdout().flush().map_err(|e| e.to_string())?;
+        poll_until("accept", || {
+            check("accept", n.accept(l, &mut r, false))
+                .map(|()| (!r.is_null()).then_some(()))
+                .transpose()
+        })?;
+        check("closeListen", n.close_listen(l))?;
+        check(
+            "regMr",
+            n.reg_mr(r, buf.as_mut_ptr().cast(), buf.len(), &mut mh),
+        )?;
+        let mut inflight = std::collections::VecDeque::new();
+        let mut next = 0;
+        for seq in 0..MESSAGES {
+            while next < MESSAGES && inflight.len() < WINDOW {
+                let slot = next % WINDOW;
+                let mut data = [buf.as_mut_ptr().wrapping_add(slot * SIZE).cast::<c_void>()];
+                let mut req = std::ptr::null_mut();
+                poll_until("irecv", || {
+                    check(
+                        "irecv",
+                        n.irecv(r, &mut data, &[SIZE], &mut [TAG], &mut [mh], &mut req),
+                    )
+                    .map(|()| (!req.is_null()).then_some(()))
+                    .transpose()
+                })?;
+                inflight.push_back((slot, req));
+                next += 1;
+            }
+            let (slot, req) = inflight.pop_front().expect("posted");
+            let mut sizes = [0 as c_int; 64];
+            poll_until("receive", || {
+                let mut done = 0;
+                check("test", n.test(req, &mut done, sizes.as_mut_ptr()))
+                    .map(|()| (done == 1).then_some(()))
+                    .transpose()
+            })?;
+            if sizes[0] as usize != SIZE
+                || buf[slot * SIZE..(slot + 1) * SIZE] != pattern(seq as u64, TAG, SIZE)[..]
+            {
+                return Err(format!("message {seq}: wrong size {} or content", sizes[0]));
+            }
+        }
+        check("deregMr", n.dereg_mr(r, mh))?;
+        check("closeRecv", n.close_recv(r))?;
+        if version >= 11 {
+            check("finalize", n.finalize(ctx))?;
+        }
+    }
+    println!("ok {MESSAGES} {}", MESSAGES * SIZE);
+    Ok(())
+}
+
+/// Sends through table `version` to a child process; returns seconds taken.
+fn run(version: u32, provider: &str) -> Result<f64, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut child = Command::new(exe)
+        .args(["--serve", &version.to_string(), "--provider", provider])
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let mut out = BufReader::new(child.stdout.take().expect("piped"));
+    let mut line = String::new();
+    out.read_line(&mut line).map_err(|e| e.to_string())?;
+    let hexh = line
+        .trim()
+        .strip_prefix("handle ")
+        .ok_or_else(|| format!("receiver said {line:?}"))?;
+    let mut h = [0u8; 128];
+    for (i, b) in h.iter_mut().enumerate() {
+        *b = u8::from_str_radix(hexh.get(2 * i..2 * i + 2).ok_or("short handle")?, 16)
+            .map_err(|e| e.to_string())?;
+    }
+    configure(provider);
+    let lib = emu::open();
+    let n = emu::net(&lib, version);
+    let msgs: Vec<u8> = (0..MESSAGES as u64)
+        .flat_map(|i| pattern(i, TAG, SIZE))
+        .collect();
+    let mut ctx = std::ptr::null_mut();
+    let mut s = std::ptr::null_mut();
+    let mut mh = std::ptr::null_mut();
+    let start;
+    // SAFETY: NCCL's calling convention; `msgs` outlives every request.
+    unsafe {
+        check("init", n.init(&mut ctx))?;
+        poll_until("connect", || {
+            check(
+                "connect",
+                n.connect(ctx, 0, h.as_mut_ptr().cast(), &mut s, true),
+            )
+            .map(|()| (!s.is_null()).then_some(()))
+            .transpose()
+        })?;
+        check(
+            "regMr",
+            n.reg_mr(s, msgs.as_ptr() as *mut c_void, msgs.len(), &mut mh),
+        )?;
+        start = Instant::now();
+        let mut inflight = std::collections::VecDeque::new();
+        for i in 0..MESSAGES {
+            if inflight.len() == WINDOW {
+                wait_send(&*n, inflight.pop_front().expect("window"))?;
+            }
+            let mut req = std::ptr::null_mut();
+            let p = msgs.as_ptr().wrapping_add(i * SIZE) as *mut c_void;
+            poll_until("isend", || {
+                check("isend", n.isend(s, p, SIZE, TAG, mh, &mut req))
+                    .map(|()| (!req.is_null()).then_some(()))
+                    .transpose()
+            })?;
+            inflight.push_back(req);
+        }
+        for q in inflight {
+            wait_send(&*n, q)?;
+        }
+    }
+    line.clear();
+    out.read_line(&mut line).map_err(|e| e.to_string())?;
+    let secs = start.elapsed().as_secs_f64();
+    let status = child.wait().map_err(|e| e.to_string())?;
+    // SAFETY: as above.
+    unsafe {
+        check("deregMr", n.dereg_mr(s, mh))?;
+        check("closeSend", n.close_send(s))?;
+        if version >= 11 {
+            check("finalize", n.finalize(ctx))?;
+        }
+    }
+    if !status.success() || line.trim() != format!("ok {MESSAGES} {}", MESSAGES * SIZE) {
+        return Err(format!("receiver: {} ({status})", line.trim()));
+    }
+    Ok(secs)
+}
+
+/// # Safety
+/// `req` is a live send request of `n`.
+unsafe fn wait_send(n: &dyn Net, req: *mut c_void) -> Result<(), String> {
+    poll_until("send completion", || {
+        let mut done = 0;
+        let mut size = [0 as c_int];
+        // SAFETY: forwarded contract.
+        check("test", unsafe { n.test(req, &mut done, size.as_mut_ptr()) })
+            .map(|()| (done == 1).then_some(()))
+            .transpose()
+    })
+}
 
 fn main() -> ExitCode {
-    let start = Instant::now();
-    let mut args = std::env::args().skip(1);
-    let mut provider = None;
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--provider" => provider = args.next(),
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut provider = "tcp".to_owned();
+    let mut serve_version = None;
+    let mut i = 0;
+    while i < args.len() {
+        match args[i].as_str() {
+            "--provider" if i + 1 < args.len() => {
+                provider = weft::config::canonical_provider(&args[i + 1]);
+                i += 1;
+            }
+            "--serve" if i + 1 < args.len() => {
+                serve_version = args[i + 1].parse::<u32>().ok();
+                i += 1;
+            }
             "-h" | "--help" => {
-                println!("usage: weft-demo [--provider NAME]   (NAME: e.g. tcp, shm, efa)");
+                println!("usage: weft-demo [--provider tcp|shm|NAME]   (default tcp on lo)");
                 return ExitCode::SUCCESS;
             }
             other => {
@@ -27,72 +227,63 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
         }
+        i += 1;
+    }
+    if let Some(v) = serve_version {
+        return match serve(v, &provider) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                println!("error {e}");
+                ExitCode::FAILURE
+            }
+        };
     }
 
-    let mut config = match Config::from_env() {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("weft-demo: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    if let Some(p) = &provider {
-        config.providers = vec![canonical_provider(p)];
-    }
-
+    let start = Instant::now();
     // SAFETY: fi_version takes no arguments.
     let v = unsafe { libfabric_sys::fi_version() };
-    println!("libfabric {}.{}", v >> 16, v & 0xffff);
-
-    match InfoList::get(&Hints::rdm_tagged(None)) {
-        Ok(list) => {
-            let mut by_provider: BTreeMap<String, Vec<String>> = BTreeMap::new();
-            for i in list.iter() {
-                let domains = by_provider.entry(i.provider().to_owned()).or_default();
-                if !domains.iter().any(|d| d == i.domain_name()) {
-                    domains.push(i.domain_name().to_owned());
-                }
-            }
-            println!("\nproviders with reliable tagged endpoints (FI_EP_RDM, FI_TAGGED):");
-            println!("  {:<16} domains", "provider");
-            for (p, d) in &by_provider {
-                println!("  {:<16} {}", p, d.join(", "));
-            }
-        }
-        Err(e) => {
-            eprintln!("weft-demo: {e}");
-            return ExitCode::FAILURE;
-        }
-    }
-
     println!(
-        "\nWeft's devices (providers tried: {}; WEFT_IFACE: {}):",
-        config.providers.join(", "),
-        if config.ifaces.is_empty() {
-            "(all)".to_owned()
+        "Weft demo: libfabric {}.{}, provider {provider}{}, plugin {}",
+        v >> 16,
+        v & 0xffff,
+        if provider.starts_with("tcp") {
+            " on lo"
         } else {
-            config.ifaces.join(",")
-        }
+            ""
+        },
+        emu::plugin_path().display()
     );
-    let code = match weft::device::discover(&config) {
-        Ok(devs) => {
-            println!(
-                "  {:<4} {:<16} {:<10} {:<18} max message",
-                "dev", "provider", "domain", "fabric"
-            );
-            for d in devs {
+    println!("{MESSAGES} messages of {} KiB per table, window {WINDOW}, two processes, every byte verified\n", SIZE / 1024);
+    println!(
+        "{:<8} {:<12} {:>8} {:>12} {:>9} {:>12}",
+        "table", "NCCL", "messages", "bytes", "verified", "bandwidth"
+    );
+    let mut failed = false;
+    for version in 5..=12 {
+        match run(version, &provider) {
+            Ok(secs) => println!(
+                "{:<8} {:<12} {:>8} {:>12} {:>9} {:>9.0} MB/s",
+                format!("v{version}"),
+                emu::releases(version),
+                MESSAGES,
+                MESSAGES * SIZE,
+                "yes",
+                (MESSAGES * SIZE) as f64 / secs / 1e6
+            ),
+            Err(e) => {
+                failed = true;
                 println!(
-                    "  {:<4} {:<16} {:<10} {:<18} {}",
-                    d.index, d.provider, d.domain, d.fabric, d.max_msg_size
+                    "{:<8} {:<12} failed: {e}",
+                    format!("v{version}"),
+                    emu::releases(version)
                 );
             }
-            ExitCode::SUCCESS
         }
-        Err(e) => {
-            println!("  none: {e}");
-            ExitCode::FAILURE
-        }
-    };
-    println!("\ndone in {:.2} s", start.elapsed().as_secs_f64());
-    code
+    }
+    println!("\ndone in {:.1} s", start.elapsed().as_secs_f64());
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
 }
