@@ -298,6 +298,7 @@ fn collnet_tables_report_no_devices() {
             };
             // SAFETY: `name` is a static C string.
             assert_eq!(unsafe { std::ffi::CStr::from_ptr(t.name) }.to_str().unwrap(), "Weft", "{name}");
+            #[allow(unused_mut)]
             let mut ctx: *mut c_void = std::ptr::null_mut();
             let mut n = -1;
             // SAFETY: NCCL's calling convention for this version.
