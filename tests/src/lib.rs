@@ -4,6 +4,7 @@
 
 pub mod emu;
 pub mod host;
+pub mod matrix;
 pub mod peer;
 
 use std::time::{Duration, Instant};

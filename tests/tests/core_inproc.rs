@@ -310,13 +310,13 @@ fn credits_bound_the_sender_and_come_back() {
     let buf = pattern(0, 2, 64);
     let smh = reg(s, &buf);
     let mut sent = 0;
-    let mut reqs = Vec::new();
-    // Eager sends complete at once, so only credits can stop the sender.
+    // Eager sends complete at once and are tested at once, so only credits
+    // can stop the sender.
     for _ in 0..CREDITS * 2 {
         match core::isend(s, buf.as_ptr() as *mut _, 64, 2, smh, std::ptr::null_mut()).unwrap() {
             Some(q) => {
                 sent += 1;
-                reqs.push(q);
+                wait(q);
             }
             None => break,
         }
@@ -325,9 +325,6 @@ fn credits_bound_the_sender_and_come_back() {
         sent, CREDITS as usize,
         "the sender is held at the credit limit"
     );
-    for q in reqs.drain(..) {
-        wait(q);
-    }
     let mut dst = vec![0u8; 64];
     let rmh = reg(r, &dst);
     for _ in 0..CREDITS {

@@ -37,12 +37,18 @@ fn tcp_receiver_memory_is_bounded_by_credits() {
     let msg = |i: usize| &all[(i % n) * SIZE..(i % n + 1) * SIZE];
     let mh = host::reg(s, &all);
     let mut reqs = Vec::new();
+    let mut pending = Vec::new();
     let mut refused = 0;
     // Bounded: without credits the plugin would accept all 4 x CREDITS.
     while refused < 1000 && reqs.len() < 4 * n {
         let m = msg(reqs.len());
         match core::isend(s, m.as_ptr() as *mut _, SIZE, 1, mh, std::ptr::null_mut()).unwrap() {
-            Some(q) => reqs.push(q),
+            Some(q) => {
+                reqs.push(q);
+                // Complete sends as they go, so that only credits can stop the sender.
+                pending.push(q);
+                pending.retain(|&q| core::test(q).unwrap().is_none());
+            }
             None => refused += 1,
         }
     }
@@ -52,7 +58,7 @@ fn tcp_receiver_memory_is_bounded_by_credits() {
         "the sender must be held at the credit limit"
     );
     peer.start("poll 999 300000");
-    for q in reqs.drain(..) {
+    for q in pending.drain(..) {
         host::wait(q);
     }
     assert_eq!(peer.reply(), "ok");

@@ -20,8 +20,8 @@
 //! Control messages set bit 63, which data tags never do.
 //!
 //! **Credits.** A sender may have at most `credits` messages that the receiver
-//! has not yet matched (256 = 32 requests x 8 receives); the receiver returns
-//! them in batches as its receives complete. So however fast a sender runs,
+//! has not yet matched (320: 32 requests x 8 receives, plus one return batch);
+//! the receiver returns them in batches of 64 as its receives complete. So however fast a sender runs,
 //! the receiver's provider buffers at most `credits` unexpected messages per
 //! comm (rxm buffers each unexpected eager message, up to 16 KiB). An `isend`
 //! without credit returns a NULL request, as NCCL allows.
@@ -43,10 +43,12 @@ use crate::freelist::{Elem, Freelist, HostPages, Params};
 
 /// Tag bit reserved for control messages.
 pub const CTRL_TAG: u64 = 1 << 63;
-/// Messages a sender may have unmatched at the receiver.
-pub const CREDITS: u32 = (MAX_REQUESTS * MAX_RECVS) as u32;
 /// Credits are returned once this many are owed.
-pub const CREDIT_BATCH: u32 = CREDITS / 4;
+pub const CREDIT_BATCH: u32 = 64;
+/// Messages a sender may have unmatched at the receiver: NCCL's most in
+/// flight on a send comm (32 requests x 8 receives), plus one batch, since up
+/// to a batch less one may be owed but not yet returned.
+pub const CREDITS: u32 = (MAX_REQUESTS * MAX_RECVS) as u32 + CREDIT_BATCH;
 /// Control receives kept posted per endpoint.
 const CTRL_POSTED: usize = 4;
 /// Completions read per `fi_cq_read`.

@@ -15,7 +15,7 @@ use weft_tests::emu::{self, Net};
 use weft_tests::host::pattern;
 use weft_tests::poll_until;
 
-const MESSAGES: usize = 64;
+const MESSAGES_DEFAULT: usize = 64;
 const SIZE: usize = 1 << 20;
 const WINDOW: usize = 8;
 const TAG: c_int = 3;
@@ -41,7 +41,7 @@ fn configure(provider: &str) {
 }
 
 /// The receiving process: listen, print the handle, accept, receive and verify.
-fn serve(version: u32, provider: &str) -> Result<(), String> {
+fn serve(version: u32, provider: &str, messages: usize) -> Result<(), String> {
     configure(provider);
     let lib = emu::open();
     let n = emu::net(&lib, version);
@@ -68,8 +68,8 @@ fn serve(version: u32, provider: &str) -> Result<(), String> {
         )?;
         let mut inflight = std::collections::VecDeque::new();
         let mut next = 0;
-        for seq in 0..MESSAGES {
-            while next < MESSAGES && inflight.len() < WINDOW {
+        for seq in 0..messages {
+            while next < messages && inflight.len() < WINDOW {
                 let slot = next % WINDOW;
                 let mut data = [buf.as_mut_ptr().wrapping_add(slot * SIZE).cast::<c_void>()];
                 let mut req = std::ptr::null_mut();
@@ -104,12 +104,13 @@ fn serve(version: u32, provider: &str) -> Result<(), String> {
             check("finalize", n.finalize(ctx))?;
         }
     }
-    println!("ok {MESSAGES} {}", MESSAGES * SIZE);
+    println!("ok {messages} {}", messages * SIZE);
     Ok(())
 }
 
 /// Sends through table `version` to a child process; returns seconds taken.
 fn run(version: u32, provider: &str) -> Result<f64, String> {
+    const MESSAGES: usize = MESSAGES_DEFAULT;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut child = Command::new(exe)
         .args(["--serve", &version.to_string(), "--provider", provider])
@@ -207,6 +208,8 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut provider = "tcp".to_owned();
     let mut serve_version = None;
+    let mut cell_version = None;
+    let mut messages = MESSAGES_DEFAULT;
     let mut i = 0;
     while i < args.len() {
         match args[i].as_str() {
@@ -216,6 +219,14 @@ fn main() -> ExitCode {
             }
             "--serve" if i + 1 < args.len() => {
                 serve_version = args[i + 1].parse::<u32>().ok();
+                i += 1;
+            }
+            "--messages" if i + 1 < args.len() => {
+                messages = args[i + 1].parse().unwrap_or(MESSAGES_DEFAULT);
+                i += 1;
+            }
+            "--cell" if i + 1 < args.len() => {
+                cell_version = args[i + 1].parse::<u32>().ok();
                 i += 1;
             }
             "-h" | "--help" => {
@@ -229,8 +240,22 @@ fn main() -> ExitCode {
         }
         i += 1;
     }
+    if let Some(v) = cell_version {
+        // One cell of the test matrix (tests/tests/matrix.rs runs these).
+        let me = std::env::current_exe().expect("current_exe");
+        return match weft_tests::matrix::cell(v, &provider, &me) {
+            Ok(n) => {
+                println!("checks {n}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                println!("failed {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if let Some(v) = serve_version {
-        return match serve(v, &provider) {
+        return match serve(v, &provider, messages) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 println!("error {e}");
@@ -253,7 +278,7 @@ fn main() -> ExitCode {
         },
         emu::plugin_path().display()
     );
-    println!("{MESSAGES} messages of {} KiB per table, window {WINDOW}, two processes, every byte verified\n", SIZE / 1024);
+    println!("{MESSAGES_DEFAULT} messages of {} KiB per table, window {WINDOW}, two processes, every byte verified\n", SIZE / 1024);
     println!(
         "{:<8} {:<12} {:>8} {:>12} {:>9} {:>12}",
         "table", "NCCL", "messages", "bytes", "verified", "bandwidth"
@@ -265,10 +290,10 @@ fn main() -> ExitCode {
                 "{:<8} {:<12} {:>8} {:>12} {:>9} {:>9.0} MB/s",
                 format!("v{version}"),
                 emu::releases(version),
-                MESSAGES,
-                MESSAGES * SIZE,
+                MESSAGES_DEFAULT,
+                MESSAGES_DEFAULT * SIZE,
                 "yes",
-                (MESSAGES * SIZE) as f64 / secs / 1e6
+                (MESSAGES_DEFAULT * SIZE) as f64 / secs / 1e6
             ),
             Err(e) => {
                 failed = true;

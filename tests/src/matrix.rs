@@ -1,0 +1,665 @@
+//! One cell of the version matrix: API version x provider, driven through
+//! the dlopen'ed table exactly as that version's NCCL drives a plugin
+//! (`nccl-net-abi.md` §1, §4, §5). Every check is counted; a failure names the
+//! version, the call, the arguments that mattered and what was expected.
+
+use std::ffi::{c_int, c_void};
+use std::fmt::Display;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use crate::emu::{self, Net};
+use crate::host::pattern;
+use crate::poll_until;
+
+/// Counts checks and words failures.
+struct Checks {
+    v: u32,
+    provider: String,
+    n: usize,
+}
+
+type Res<T = ()> = Result<T, String>;
+
+impl Checks {
+    fn fail(
+        &self,
+        call: &str,
+        args: impl Display,
+        expected: impl Display,
+        got: impl Display,
+    ) -> String {
+        format!(
+            "ncclNet v{} over {}: {call}({args}): expected {expected}, got {got}",
+            self.v, self.provider
+        )
+    }
+    /// A call that must return ncclSuccess.
+    fn ok(&mut self, call: &str, args: impl Display, r: c_int) -> Res {
+        self.n += 1;
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(self.fail(call, args, "ncclSuccess (0)", format!("result {r}")))
+        }
+    }
+    /// A call inside a poll loop: must succeed, counted once by the caller.
+    fn rc(&self, call: &str, args: impl Display, r: c_int) -> Res {
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(self.fail(call, args, "ncclSuccess (0)", format!("result {r}")))
+        }
+    }
+    /// A condition.
+    fn that(
+        &mut self,
+        cond: bool,
+        call: &str,
+        args: impl Display,
+        expected: impl Display,
+        got: impl Display,
+    ) -> Res {
+        self.n += 1;
+        if cond {
+            Ok(())
+        } else {
+            Err(self.fail(call, args, expected, got))
+        }
+    }
+}
+
+fn null<T>() -> *mut T {
+    std::ptr::null_mut()
+}
+
+/// Polls `f` (which returns Ok(true) when done) with the test timeout.
+fn until(what: &str, mut f: impl FnMut() -> Res<bool>) -> Res {
+    poll_until(what, || match f() {
+        Ok(true) => Some(Ok(())),
+        Ok(false) => None,
+        Err(e) => Some(Err(e)),
+    })
+}
+
+struct Pair {
+    s: *mut c_void,
+    r: *mut c_void,
+}
+
+/// listen + connect/accept polled together; `null_devcomm` picks the NULL
+/// form of the device-handle argument for connect (accept gets the other).
+unsafe fn pair(n: &dyn Net, c: &mut Checks, ctx: *mut c_void, null_devcomm: bool) -> Res<Pair> {
+    let mut h = [0u8; 128];
+    let mut l = null();
+    // SAFETY: NCCL's conventions; the handle outlives the calls.
+    unsafe {
+        c.ok(
+            "listen",
+            "dev=0",
+            n.listen(ctx, 0, h.as_mut_ptr().cast(), &mut l),
+        )?;
+        c.that(!l.is_null(), "listen", "dev=0", "a listen comm", "NULL")?;
+        let (mut s, mut r): (*mut c_void, *mut c_void) = (null(), null());
+        until("connect + accept", || {
+            if s.is_null() {
+                c.rc(
+                    "connect",
+                    format_args!(
+                        "dev=0, devComm={}",
+                        if null_devcomm { "NULL" } else { "&NULL" }
+                    ),
+                    n.connect(ctx, 0, h.as_mut_ptr().cast(), &mut s, null_devcomm),
+                )?;
+            }
+            if r.is_null() {
+                c.rc("accept", "listenComm", n.accept(l, &mut r, !null_devcomm))?;
+            }
+            Ok(!s.is_null() && !r.is_null())
+        })?;
+        c.n += 2;
+        // NCCL closes the listener as soon as accept returns a comm.
+        c.ok("closeListen", "right after accept", n.close_listen(l))?;
+        Ok(Pair { s, r })
+    }
+}
+
+/// Requests being tested; `poll` tests every one not yet done, once.
+struct Tracker {
+    reqs: Vec<*mut c_void>,
+    done: Vec<bool>,
+    sizes: Vec<Vec<c_int>>,
+    rev: bool,
+}
+
+impl Tracker {
+    fn new(rev: bool) -> Self {
+        Self {
+            reqs: Vec::new(),
+            done: Vec::new(),
+            sizes: Vec::new(),
+            rev,
+        }
+    }
+    fn push(&mut self, r: *mut c_void) {
+        self.reqs.push(r);
+        self.done.push(false);
+        self.sizes.push(vec![-1; 64]);
+    }
+    /// One pass of test() over the requests not done; true when all are.
+    unsafe fn poll(&mut self, n: &dyn Net, c: &Checks) -> Res<bool> {
+        let k = self.reqs.len();
+        for j in 0..k {
+            let i = if self.rev { k - 1 - j } else { j };
+            if !self.done[i] {
+                let mut d = 0;
+                // SAFETY: each request is live until reported done; `sizes[i]`
+                // has room for any n.
+                let r = unsafe { n.test(self.reqs[i], &mut d, self.sizes[i].as_mut_ptr()) };
+                if r != 0 {
+                    return Err(c.fail(
+                        "test",
+                        format_args!("request #{i}"),
+                        "ncclSuccess",
+                        format_args!("result {r}"),
+                    ));
+                }
+                self.done[i] = d == 1;
+            }
+        }
+        Ok(self.done.iter().all(|&d| d))
+    }
+    /// Tests until all are done; returns the sizes each reported.
+    unsafe fn wait(mut self, n: &dyn Net, c: &mut Checks) -> Res<Vec<Vec<c_int>>> {
+        // SAFETY: forwarded.
+        until("test() done", || unsafe { self.poll(n, c) })?;
+        c.n += self.reqs.len();
+        Ok(self.sizes)
+    }
+}
+
+/// Tests every request until all are done; returns the sizes each reported.
+unsafe fn wait_all(
+    n: &dyn Net,
+    c: &mut Checks,
+    reqs: &[*mut c_void],
+    order_rev: bool,
+) -> Res<Vec<Vec<c_int>>> {
+    let mut t = Tracker::new(order_rev);
+    for &r in reqs {
+        t.push(r);
+    }
+    // SAFETY: forwarded.
+    unsafe { t.wait(n, c) }
+}
+
+/// `isend`, retried while the request is NULL; between tries the other end's
+/// requests are tested, as the peer's own progress thread would.
+unsafe fn isend_progress(
+    n: &dyn Net,
+    c: &mut Checks,
+    s: *mut c_void,
+    buf: &[u8],
+    tag: c_int,
+    mh: *mut c_void,
+    other: &mut Tracker,
+) -> Res<*mut c_void> {
+    // NCCL does not clear *request: start from a stale value.
+    let (data, size) = (buf.as_ptr(), buf.len());
+    let mut req = std::ptr::without_provenance_mut::<c_void>(0xdead);
+    until("isend request", || {
+        // SAFETY: forwarded NCCL conventions.
+        let r = unsafe { n.isend(s, data as *mut c_void, size, tag, mh, &mut req) };
+        if r != 0 {
+            return Err(c.fail(
+                "isend",
+                format_args!("size={size}, tag={tag}"),
+                "ncclSuccess",
+                format_args!("result {r}"),
+            ));
+        }
+        if req.is_null() {
+            // SAFETY: forwarded.
+            unsafe { other.poll(n, c)? };
+        }
+        Ok(!req.is_null() && req as usize != 0xdead)
+    })?;
+    c.n += 1;
+    Ok(req)
+}
+
+/// `isend` with nothing else to progress.
+unsafe fn isend(
+    n: &dyn Net,
+    c: &mut Checks,
+    s: *mut c_void,
+    buf: &[u8],
+    tag: c_int,
+    mh: *mut c_void,
+) -> Res<*mut c_void> {
+    // SAFETY: forwarded.
+    unsafe { isend_progress(n, c, s, buf, tag, mh, &mut Tracker::new(false)) }
+}
+
+unsafe fn irecv(
+    n: &dyn Net,
+    c: &mut Checks,
+    r: *mut c_void,
+    bufs: &mut [*mut c_void],
+    sizes: &[usize],
+    tags: &mut [c_int],
+    mhs: &mut [*mut c_void],
+) -> Res<*mut c_void> {
+    // v9+: NCCL may leave NCCL_NET_OPTIONAL_RECV_COMPLETION (0x1) there.
+    let mut req = std::ptr::without_provenance_mut::<c_void>(0x1);
+    until("irecv request", || {
+        // SAFETY: forwarded NCCL conventions.
+        let rc = unsafe { n.irecv(r, bufs, sizes, tags, mhs, &mut req) };
+        if rc != 0 {
+            return Err(c.fail(
+                "irecv",
+                format_args!("n={}, sizes={sizes:?}, tags={tags:?}", bufs.len()),
+                "ncclSuccess",
+                format_args!("result {rc}"),
+            ));
+        }
+        Ok(!req.is_null() && req as usize != 0x1)
+    })?;
+    c.n += 1;
+    Ok(req)
+}
+
+/// Runs one cell; returns the number of checks that passed.
+///
+/// `peer` is a binary that serves `--serve <version> --provider <p>` (the demo).
+pub fn cell(version: u32, provider: &str, peer: &Path) -> Res<usize> {
+    crate::host::configure(provider);
+    let lib = emu::open();
+    let n = emu::net(&lib, version);
+    let n = &*n;
+    let mut c = Checks {
+        v: version,
+        provider: provider.to_owned(),
+        n: 0,
+    };
+    let c = &mut c;
+    // SAFETY: every call follows NCCL's conventions for this version; buffers
+    // outlive the requests that use them.
+    unsafe {
+        // Loader: the name is read right after dlsym, and NCCL_NET=Weft selects
+        // it (2.12 compares case-sensitively).
+        let name = n.name();
+        c.that(name == "Weft", "name", "before init", "\"Weft\"", &name)?;
+        let mut ctx = null();
+        c.ok("init", "first communicator", n.init(&mut ctx))?;
+        if version >= 11 {
+            c.that(!ctx.is_null(), "init", "v11+", "a context", "NULL")?;
+            let mut more = [null::<c_void>(); 2];
+            for m in &mut more {
+                c.ok("init", "another communicator", n.init(m))?;
+                c.that(
+                    !m.is_null() && *m != ctx,
+                    "init",
+                    "another communicator",
+                    "a new context",
+                    format_args!("{m:p}"),
+                )?;
+            }
+            for m in more {
+                c.ok("finalize", "per context", n.finalize(m))?;
+            }
+        }
+        let mut nd = 0;
+        c.ok("devices", "", n.devices(&mut nd))?;
+        c.that(nd >= 1, "devices", "", ">= 1", nd)?;
+        for d in 0..nd {
+            match n.props(d) {
+                Ok((pname, speed, recvs, rg)) => {
+                    c.that(
+                        !pname.is_empty() && speed > 0 && recvs == 8,
+                        "getProperties",
+                        d,
+                        "name, speed > 0, maxRecvs 8",
+                        format_args!("{pname:?}, {speed}, {recvs}"),
+                    )?;
+                    if version >= 8 {
+                        c.that(rg == 1, "getProperties", d, "regIsGlobal 1", rg)?;
+                    }
+                }
+                Err(r) => {
+                    return Err(c.fail(
+                        "getProperties",
+                        d,
+                        "ncclSuccess",
+                        format_args!("result {r}"),
+                    ))
+                }
+            }
+        }
+        for bad in [nd, -1] {
+            let r = n.props(bad).err();
+            c.that(
+                r == Some(3),
+                "getProperties",
+                bad,
+                "ncclInternalError (3) for a device that does not exist",
+                format_args!("{r:?}"),
+            )?;
+        }
+
+        // Two connections: both forms of the device-handle argument.
+        let a = pair(n, c, ctx, true)?;
+        let b = pair(n, c, ctx, false)?;
+
+        // Size sweep 0 B .. 64 MiB with content checks.
+        let max = 64usize << 20;
+        let src = pattern(version as u64, 5, max + 1);
+        let mut dst = vec![0u8; max + 64];
+        let (mut smh, mut rmh) = (null(), null());
+        c.ok(
+            "regMr",
+            format_args!("sendComm, {} bytes", src.len()),
+            n.reg_mr(a.s, src.as_ptr() as *mut c_void, src.len(), &mut smh),
+        )?;
+        c.ok(
+            "regMr",
+            format_args!("recvComm, {} bytes", dst.len()),
+            n.reg_mr(a.r, dst.as_mut_ptr().cast(), dst.len(), &mut rmh),
+        )?;
+        for size in [0usize, 1, 4095, 4096, 65536, 1 << 20, 16 << 20, max] {
+            let rq = irecv(
+                n,
+                c,
+                a.r,
+                &mut [dst.as_mut_ptr().cast()],
+                &[max + 64],
+                &mut [5],
+                &mut [rmh],
+            )?;
+            let sq = isend(n, c, a.s, &src[..size], 5, smh)?;
+            let sizes = wait_all(n, c, &[sq, rq], false)?;
+            c.that(
+                sizes[0][0] as usize == size,
+                "test",
+                format_args!("send of {size} B"),
+                size,
+                sizes[0][0],
+            )?;
+            c.that(
+                sizes[1][0] as usize == size,
+                "test",
+                format_args!("receive of {size} B into {} B", max + 64),
+                size,
+                sizes[1][0],
+            )?;
+            c.that(
+                dst[..size] == src[..size],
+                "irecv",
+                format_args!("{size} B"),
+                "the bytes sent",
+                "different bytes",
+            )?;
+            // iflush on host memory: NULL request, which NCCL treats as done.
+            let mut fl = std::ptr::without_provenance_mut::<c_void>(0xbad);
+            c.ok(
+                "iflush",
+                "n=1, host memory",
+                n.iflush(
+                    a.r,
+                    &mut [dst.as_mut_ptr().cast()],
+                    &mut [sizes[1][0]],
+                    &mut [rmh],
+                    &mut fl,
+                ),
+            )?;
+            c.that(
+                fl.is_null(),
+                "iflush",
+                "host memory",
+                "a NULL request",
+                format_args!("{fl:p}"),
+            )?;
+        }
+
+        // regIsGlobal: a handle registered on one comm serves another comm of the device.
+        let mut bmh = null();
+        let mut bdst = vec![0u8; 4096];
+        c.ok(
+            "regMr",
+            "second recvComm",
+            n.reg_mr(b.r, bdst.as_mut_ptr().cast(), bdst.len(), &mut bmh),
+        )?;
+        let rq = irecv(
+            n,
+            c,
+            b.r,
+            &mut [bdst.as_mut_ptr().cast()],
+            &[4096],
+            &mut [6],
+            &mut [bmh],
+        )?;
+        let sq = isend(n, c, b.s, &src[..4096], 6, smh)?;
+        wait_all(n, c, &[sq, rq], false)?;
+        c.that(
+            bdst[..] == src[..4096],
+            "isend",
+            "mhandle from another comm (regIsGlobal)",
+            "the bytes sent",
+            "different bytes",
+        )?;
+
+        // Windows: 32 grouped receives (n = maxRecvs) on the recvComm, 32 x 8
+        // sends on the sendComm, all in flight, tested in reverse order.
+        let slot = 256usize;
+        let mut wbuf = vec![0u8; 32 * 8 * slot];
+        let mut wmh = null();
+        c.ok(
+            "regMr",
+            "window buffers",
+            n.reg_mr(a.r, wbuf.as_mut_ptr().cast(), wbuf.len(), &mut wmh),
+        )?;
+        let mut rreqs = Tracker::new(true);
+        for w in 0..32 {
+            let mut bufs: Vec<*mut c_void> = (0..8)
+                .map(|k| wbuf.as_mut_ptr().wrapping_add((w * 8 + k) * slot).cast())
+                .collect();
+            let mut tags: Vec<c_int> = (0..8).map(|k| 200 + k).collect();
+            rreqs.push(irecv(
+                n,
+                c,
+                a.r,
+                &mut bufs,
+                &[slot; 8],
+                &mut tags,
+                &mut [wmh; 8],
+            )?);
+        }
+        let mut sreqs = Vec::new();
+        for w in 0..32usize {
+            for k in (0..8usize).rev() {
+                let off = (w * 8 + k) * 7;
+                sreqs.push(isend_progress(
+                    n,
+                    c,
+                    a.s,
+                    &src[off..off + 100 + k],
+                    200 + k as c_int,
+                    smh,
+                    &mut rreqs,
+                )?);
+            }
+        }
+        wait_all(n, c, &sreqs, true)?;
+        let sizes = rreqs.wait(n, c)?;
+        for w in 0..32usize {
+            for k in 0..8usize {
+                let got = &wbuf[(w * 8 + k) * slot..(w * 8 + k) * slot + 100 + k];
+                let off = (w * 8 + k) * 7;
+                c.that(
+                    sizes[w][k] as usize == 100 + k && got == &src[off..off + 100 + k],
+                    "irecv",
+                    format_args!("window {w}, buffer {k}, tag {}", 200 + k),
+                    "its tag's message, FIFO",
+                    format_args!("size {}", sizes[w][k]),
+                )?;
+            }
+        }
+
+        // Truncation: an error from test(), where the provider reports it.
+        if provider.starts_with("tcp") || provider == "shm" {
+            let mut small = vec![0x5Au8; 200];
+            let mut tmh = null();
+            c.ok(
+                "regMr",
+                "truncation buffer",
+                n.reg_mr(a.r, small.as_mut_ptr().cast(), small.len(), &mut tmh),
+            )?;
+            let rq = irecv(
+                n,
+                c,
+                a.r,
+                &mut [small.as_mut_ptr().cast()],
+                &[100],
+                &mut [9],
+                &mut [tmh],
+            )?;
+            let sq = isend(n, c, a.s, &src[..150], 9, smh)?;
+            let mut got = 0;
+            until("truncated receive", || {
+                let (mut d1, mut d2) = (0, 0);
+                let mut sz = [0 as c_int; 64];
+                let _ = n.test(sq, &mut d1, sz.as_mut_ptr());
+                got = n.test(rq, &mut d2, sz.as_mut_ptr());
+                Ok(got != 0 || d2 == 1)
+            })?;
+            c.that(
+                got == 3,
+                "test",
+                "150 B into a 100 B receive",
+                "ncclInternalError (3)",
+                format_args!("result {got}"),
+            )?;
+            c.that(
+                small[100..].iter().all(|&x| x == 0x5A),
+                "irecv",
+                "truncated",
+                "nothing written past the buffer",
+                "bytes past the buffer",
+            )?;
+            c.ok("deregMr", "truncation buffer", n.dereg_mr(a.r, tmh))?;
+        }
+
+        // NCCL deregisters, then closes.
+        for (comm, mh) in [(a.s, smh), (a.r, rmh), (b.r, bmh), (a.r, wmh)] {
+            c.ok("deregMr", "", n.dereg_mr(comm, mh))?;
+        }
+        c.ok("closeSend", "", n.close_send(a.s))?;
+        c.ok("closeSend", "", n.close_send(b.s))?;
+        c.ok("closeRecv", "", n.close_recv(a.r))?;
+        c.ok("closeRecv", "", n.close_recv(b.r))?;
+
+        // A corrupted handle: an error, no crash, no hang.
+        let mut bad = [0x42u8; 128];
+        let mut sc = null();
+        let r = n.connect(ctx, 0, bad.as_mut_ptr().cast(), &mut sc, true);
+        c.that(
+            r == 3 && sc.is_null(),
+            "connect",
+            "corrupted handle",
+            "ncclInternalError (3) and no comm",
+            format_args!("result {r}"),
+        )?;
+
+        // Two processes: the peer receives 16 x 1 MiB through the same table.
+        let moved = two_process(n, c, ctx, version, provider, peer)?;
+        c.that(
+            moved == 16 << 20,
+            "isend",
+            "to another process",
+            "16 MiB verified by the peer",
+            moved,
+        )?;
+        if version >= 11 {
+            c.ok("finalize", "last context", n.finalize(ctx))?;
+        }
+    }
+    Ok(c.n)
+}
+
+unsafe fn two_process(
+    n: &dyn Net,
+    c: &mut Checks,
+    ctx: *mut c_void,
+    version: u32,
+    provider: &str,
+    peer: &Path,
+) -> Res<usize> {
+    let mut child = Command::new(peer)
+        .args([
+            "--serve",
+            &version.to_string(),
+            "--provider",
+            provider,
+            "--messages",
+            "16",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("spawn {}: {e}", peer.display()))?;
+    let mut out = BufReader::new(child.stdout.take().expect("piped"));
+    let mut line = String::new();
+    out.read_line(&mut line).map_err(|e| e.to_string())?;
+    let hexh = line
+        .trim()
+        .strip_prefix("handle ")
+        .ok_or_else(|| format!("peer said {line:?}"))?;
+    let mut h = [0u8; 128];
+    for (i, b) in h.iter_mut().enumerate() {
+        *b = u8::from_str_radix(hexh.get(2 * i..2 * i + 2).ok_or("short handle")?, 16)
+            .map_err(|e| e.to_string())?;
+    }
+    let size = 1usize << 20;
+    let msgs: Vec<u8> = (0..16u64).flat_map(|i| pattern(i, 3, size)).collect();
+    let (mut s, mut mh) = (null(), null());
+    // SAFETY: NCCL's conventions; `msgs` outlives the requests.
+    unsafe {
+        until("connect to the peer", || {
+            c.rc(
+                "connect",
+                "to another process",
+                n.connect(ctx, 0, h.as_mut_ptr().cast(), &mut s, true),
+            )?;
+            Ok(!s.is_null())
+        })?;
+        c.n += 1;
+        c.ok(
+            "regMr",
+            "two-process buffers",
+            n.reg_mr(s, msgs.as_ptr() as *mut c_void, msgs.len(), &mut mh),
+        )?;
+        let mut reqs = Vec::new();
+        for i in 0..16 {
+            reqs.push(isend(n, c, s, &msgs[i * size..(i + 1) * size], 3, mh)?);
+            if reqs.len() == 8 {
+                wait_all(n, c, &reqs, false)?;
+                reqs.clear();
+            }
+        }
+        wait_all(n, c, &reqs, false)?;
+    }
+    line.clear();
+    out.read_line(&mut line).map_err(|e| e.to_string())?;
+    let status = child.wait().map_err(|e| e.to_string())?;
+    // SAFETY: as above.
+    unsafe {
+        c.ok("deregMr", "two-process buffers", n.dereg_mr(s, mh))?;
+        c.ok("closeSend", "two-process comm", n.close_send(s))?;
+    }
+    let moved = line
+        .trim()
+        .strip_prefix("ok 16 ")
+        .and_then(|b| b.parse::<usize>().ok())
+        .ok_or_else(|| format!("peer: {} ({status})", line.trim()))?;
+    Ok(moved)
+}
