@@ -276,6 +276,16 @@ unsafe fn irecv(
 pub fn cell(version: u32, provider: &str, peer: &Path) -> Res<usize> {
     crate::host::configure(provider);
     let lib = emu::open();
+    // NCCL's loader: newest version first, first symbol found wins.
+    // SAFETY: only the symbols' presence is read.
+    let found = (5..=version).rev().find(|k| {
+        unsafe { lib.get::<*const c_void>(format!("ncclNetPlugin_v{k}").as_bytes()) }.is_ok()
+    });
+    if found != Some(version) {
+        return Err(format!(
+            "ncclNet v{version}: the newest-first lookup found {found:?}, expected v{version}"
+        ));
+    }
     let n = emu::net(&lib, version);
     let n = &*n;
     let mut c = Checks {
@@ -284,8 +294,9 @@ pub fn cell(version: u32, provider: &str, peer: &Path) -> Res<usize> {
         n: 0,
     };
     let c = &mut c;
-    // SAFETY: every call follows NCCL's conventions for this version; buffers
-    // outlive the requests that use them.
+    c.n += 1; // the lookup above
+              // SAFETY: every call follows NCCL's conventions for this version; buffers
+              // outlive the requests that use them.
     unsafe {
         // Loader: the name is read right after dlsym, and NCCL_NET=Weft selects
         // it (2.12 compares case-sensitively).
