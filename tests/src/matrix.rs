@@ -5,9 +5,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::fmt::Display;
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
 
 use crate::emu::{self, Net};
 use crate::host::pattern;
@@ -277,8 +275,8 @@ pub fn cell(version: u32, provider: &str, peer: &Path) -> Res<usize> {
     crate::host::configure(provider);
     let lib = emu::open();
     // NCCL's loader: newest version first, first symbol found wins.
-    // SAFETY: only the symbols' presence is read.
     let found = (5..=version).rev().find(|k| {
+        // SAFETY: only the symbol's presence is read.
         unsafe { lib.get::<*const c_void>(format!("ncclNetPlugin_v{k}").as_bytes()) }.is_ok()
     });
     if found != Some(version) {
@@ -606,30 +604,8 @@ unsafe fn two_process(
     provider: &str,
     peer: &Path,
 ) -> Res<usize> {
-    let mut child = Command::new(peer)
-        .args([
-            "--serve",
-            &version.to_string(),
-            "--provider",
-            provider,
-            "--messages",
-            "16",
-        ])
-        .stdout(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("spawn {}: {e}", peer.display()))?;
-    let mut out = BufReader::new(child.stdout.take().expect("piped"));
-    let mut line = String::new();
-    out.read_line(&mut line).map_err(|e| e.to_string())?;
-    let hexh = line
-        .trim()
-        .strip_prefix("handle ")
-        .ok_or_else(|| format!("peer said {line:?}"))?;
-    let mut h = [0u8; 128];
-    for (i, b) in h.iter_mut().enumerate() {
-        *b = u8::from_str_radix(hexh.get(2 * i..2 * i + 2).ok_or("short handle")?, 16)
-            .map_err(|e| e.to_string())?;
-    }
+    let server = crate::peer::Server::spawn(peer, version, provider, 16)?;
+    let mut h = server.handle;
     let size = 1usize << 20;
     let msgs: Vec<u8> = (0..16u64).flat_map(|i| pattern(i, 3, size)).collect();
     let (mut s, mut mh) = (null(), null());
@@ -659,18 +635,15 @@ unsafe fn two_process(
         }
         wait_all(n, c, &reqs, false)?;
     }
-    line.clear();
-    out.read_line(&mut line).map_err(|e| e.to_string())?;
-    let status = child.wait().map_err(|e| e.to_string())?;
+    let verdict = server.finish()?;
     // SAFETY: as above.
     unsafe {
         c.ok("deregMr", "two-process buffers", n.dereg_mr(s, mh))?;
         c.ok("closeSend", "two-process comm", n.close_send(s))?;
     }
-    let moved = line
-        .trim()
+    let moved = verdict
         .strip_prefix("ok 16 ")
         .and_then(|b| b.parse::<usize>().ok())
-        .ok_or_else(|| format!("peer: {} ({status})", line.trim()))?;
+        .ok_or_else(|| format!("peer: {verdict}"))?;
     Ok(moved)
 }

@@ -68,16 +68,78 @@ impl Peer {
     }
 }
 
-/// Hex encoding of a handle, as `weft-peer` reads it.
+/// Hex encoding of a handle, as the peer processes print and read it.
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// The inverse of [`hex`].
-pub fn unhex(s: &str) -> [u8; 128] {
-    let v: Vec<u8> = (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
-        .collect();
-    v.try_into().expect("128-byte handle")
+/// The inverse of [`hex`]: a 128-byte handle.
+pub fn unhex(s: &str) -> Result<[u8; 128], String> {
+    let mut h = [0u8; 128];
+    if s.len() != 2 * h.len() {
+        return Err(format!(
+            "a handle is {} hex digits, got {}",
+            2 * h.len(),
+            s.len()
+        ));
+    }
+    for (i, b) in h.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|e| format!("handle: {e}"))?;
+    }
+    Ok(h)
+}
+
+/// A receiving process started with `exe --serve <version> --provider <p>
+/// --messages <n>` (the demo), with the handle it printed.
+#[derive(Debug)]
+pub struct Server {
+    /// The process.
+    pub child: Child,
+    /// Its stdout, after the handle line.
+    pub out: BufReader<ChildStdout>,
+    /// Its listen handle.
+    pub handle: [u8; 128],
+}
+
+impl Server {
+    /// Starts the server and reads its handle.
+    pub fn spawn(
+        exe: &std::path::Path,
+        version: u32,
+        provider: &str,
+        messages: usize,
+    ) -> Result<Self, String> {
+        let mut child = Command::new(exe)
+            .args([
+                "--serve",
+                &version.to_string(),
+                "--provider",
+                provider,
+                "--messages",
+                &messages.to_string(),
+            ])
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("spawn {}: {e}", exe.display()))?;
+        let mut out = BufReader::new(child.stdout.take().expect("piped stdout"));
+        let mut line = String::new();
+        out.read_line(&mut line).map_err(|e| e.to_string())?;
+        let handle = unhex(
+            line.trim()
+                .strip_prefix("handle ")
+                .ok_or_else(|| format!("receiver said {line:?}"))?,
+        )?;
+        Ok(Self { child, out, handle })
+    }
+
+    /// Reads the receiver's verdict (`ok <messages> <bytes>`) and waits for it.
+    pub fn finish(mut self) -> Result<String, String> {
+        let mut line = String::new();
+        self.out.read_line(&mut line).map_err(|e| e.to_string())?;
+        let status = self.child.wait().map_err(|e| e.to_string())?;
+        if !status.success() {
+            return Err(format!("receiver: {} ({status})", line.trim()));
+        }
+        Ok(line.trim().to_owned())
+    }
 }

@@ -24,7 +24,7 @@ fn tcp_receiver_memory_is_bounded_by_credits() {
     let mut peer = Peer::spawn(PEER);
     peer.cmd("init tcp");
     let ctx = host::init("tcp");
-    let mut h = unhex(peer.cmd("listen").strip_prefix("handle ").expect("handle"));
+    let mut h = unhex(peer.cmd("listen").strip_prefix("handle ").expect("handle")).unwrap();
     peer.start("accept");
     let s = host::connect(ctx, &mut h);
     assert_eq!(peer.reply(), "ok");

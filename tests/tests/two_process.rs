@@ -15,7 +15,7 @@ fn both_directions(provider: &str) {
 
     // This process -> peer.
     let reply = peer.cmd("listen");
-    let mut h = unhex(reply.strip_prefix("handle ").expect("handle"));
+    let mut h = unhex(reply.strip_prefix("handle ").expect("handle")).unwrap();
     peer.start("accept");
     let s = host::connect(ctx, &mut h);
     assert_eq!(peer.reply(), "ok");

@@ -7,22 +7,19 @@
 //! Usage: weft-demo [--provider NAME]   (default tcp, pinned to lo; or shm)
 
 use std::ffi::{c_int, c_void};
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, ExitCode, Stdio};
+use std::io::Write;
+use std::process::ExitCode;
 use std::time::Instant;
 
 use weft_tests::emu::{self, Net};
 use weft_tests::host::pattern;
+use weft_tests::peer::{hex, Server};
 use weft_tests::poll_until;
 
 const MESSAGES_DEFAULT: usize = 64;
 const SIZE: usize = 1 << 20;
 const WINDOW: usize = 8;
 const TAG: c_int = 3;
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
 
 fn check(what: &str, r: c_int) -> Result<(), String> {
     if r == 0 {
@@ -112,23 +109,8 @@ fn serve(version: u32, provider: &str, messages: usize) -> Result<(), String> {
 fn run(version: u32, provider: &str) -> Result<f64, String> {
     const MESSAGES: usize = MESSAGES_DEFAULT;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut child = Command::new(exe)
-        .args(["--serve", &version.to_string(), "--provider", provider])
-        .stdout(Stdio::piped())
-        .spawn()
-        .map_err(|e| e.to_string())?;
-    let mut out = BufReader::new(child.stdout.take().expect("piped"));
-    let mut line = String::new();
-    out.read_line(&mut line).map_err(|e| e.to_string())?;
-    let hexh = line
-        .trim()
-        .strip_prefix("handle ")
-        .ok_or_else(|| format!("receiver said {line:?}"))?;
-    let mut h = [0u8; 128];
-    for (i, b) in h.iter_mut().enumerate() {
-        *b = u8::from_str_radix(hexh.get(2 * i..2 * i + 2).ok_or("short handle")?, 16)
-            .map_err(|e| e.to_string())?;
-    }
+    let server = Server::spawn(&exe, version, provider, MESSAGES)?;
+    let mut h = server.handle;
     configure(provider);
     let lib = emu::open();
     let n = emu::net(&lib, version);
@@ -173,10 +155,8 @@ fn run(version: u32, provider: &str) -> Result<f64, String> {
             wait_send(&*n, q)?;
         }
     }
-    line.clear();
-    out.read_line(&mut line).map_err(|e| e.to_string())?;
+    let verdict = server.finish();
     let secs = start.elapsed().as_secs_f64();
-    let status = child.wait().map_err(|e| e.to_string())?;
     // SAFETY: as above.
     unsafe {
         check("deregMr", n.dereg_mr(s, mh))?;
@@ -185,8 +165,9 @@ fn run(version: u32, provider: &str) -> Result<f64, String> {
             check("finalize", n.finalize(ctx))?;
         }
     }
-    if !status.success() || line.trim() != format!("ok {MESSAGES} {}", MESSAGES * SIZE) {
-        return Err(format!("receiver: {} ({status})", line.trim()));
+    let verdict = verdict?;
+    if verdict != format!("ok {MESSAGES} {}", MESSAGES * SIZE) {
+        return Err(format!("receiver: {verdict}"));
     }
     Ok(secs)
 }

@@ -19,21 +19,9 @@ use std::io::{BufRead, Write};
 
 use weft::core;
 use weft_tests::host::{self, pattern};
+use weft_tests::peer::{hex, unhex};
 
 const WINDOW: usize = 8;
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Result<[u8; 128], String> {
-    let v: Vec<u8> = (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2).unwrap_or("zz"), 16).map_err(|e| e.to_string()))
-        .collect::<Result<_, _>>()?;
-    v.try_into()
-        .map_err(|_| "handle must be 128 bytes".to_owned())
-}
 
 fn rss_kb() -> u64 {
     std::fs::read_to_string("/proc/self/status")
