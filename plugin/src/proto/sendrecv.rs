@@ -271,6 +271,59 @@ fn completion_err(e: &CompletionError) -> ReqErr {
     }
 }
 
+/// One entry of a completion queue.
+enum Event<'a> {
+    /// An operation finished.
+    Done(&'a Completion),
+    /// An operation failed.
+    Failed(CompletionError),
+}
+
+/// Reads `cq` until it is empty, handing every entry to `on`. Reading is
+/// also what drives progress for rxm and shm.
+fn drain(cq: &Cq, mut on: impl FnMut(Event<'_>) -> Result<()>) -> Result<()> {
+    let mut c = [Completion::default(); CQ_BATCH];
+    loop {
+        match cq.read(&mut c) {
+            Ok(0) => return Ok(()),
+            Ok(n) => {
+                for comp in &c[..n] {
+                    on(Event::Done(comp))?;
+                }
+            }
+            Err(CqError::Completion(e)) => on(Event::Failed(e))?,
+            Err(CqError::Fi(e)) => return Err(e.into()),
+        }
+    }
+}
+
+/// Applies one completion, or failure, to the request its context names.
+/// `len` is recorded for receives (a send's size is known when it is posted).
+fn complete(
+    reqs: &mut Pool<Request>,
+    ctx: *mut c_void,
+    outcome: std::result::Result<Option<usize>, ReqErr>,
+    who: &str,
+) -> Result<()> {
+    let (slot, sub) = decode_ctx(ctx);
+    let r = reqs
+        .index_of(slot)
+        .and_then(|i| reqs.get_mut(i))
+        .filter(|r| sub < r.n)
+        .ok_or_else(|| Error::system(format!("{who}: completion for an unknown request")))?;
+    match outcome {
+        Ok(Some(len)) => r.sizes[usize::from(sub)] = len,
+        Ok(None) => {}
+        Err(e) => {
+            if r.err.is_none() {
+                r.err = Some(ReqErr { sub, ..e });
+            }
+        }
+    }
+    r.remaining = r.remaining.saturating_sub(1);
+    Ok(())
+}
+
 // ---------------------------------------------------------------- listen
 
 /// A listening comm.
@@ -325,67 +378,67 @@ impl ListenComm {
         ))
     }
 
+    /// Handles one handshake message: a valid Conn opens a receive comm
+    /// whose Ack is sent by `accept`; anything else is logged and dropped.
+    fn on_conn(&self, st: &mut ListenState, comp: &Completion) -> Result<()> {
+        let Some(i) = st.ctrl.find(comp.op_context) else {
+            return Err(Error::internal(
+                "listener: completion for an unknown buffer",
+            ));
+        };
+        let msg = Ctrl::decode(st.ctrl.bytes(i, comp.len));
+        st.ctrl.post(&st.ep, i)?;
+        match msg {
+            Ok(Ctrl::Conn { listener, conn, addr }) if listener == self.nonce => {
+                let comm = Arc::new(RecvComm::open(Arc::clone(&self.dev))?);
+                let (to, name) = {
+                    let mut rs = lock(&comm.inner);
+                    let to = rs.ep.av().insert(&addr).map_err(|e| {
+                        Error::remote(format!("connecting peer sent an unusable address: {e}"))
+                    })?;
+                    rs.peer = to;
+                    (to, rs.ep.name()?)
+                };
+                st.pending.push(Pending {
+                    comm,
+                    to,
+                    ack: Ctrl::Ack { conn, credits: CREDITS, addr: name },
+                    deadline: Instant::now() + self.dev.peer_timeout,
+                });
+            }
+            Ok(Ctrl::Conn { listener, .. }) => tracing::warn!(
+                "listener on device {}: ignored a connection meant for listener {listener:#x} (stale handle?)",
+                self.dev.index
+            ),
+            Ok(other) => tracing::warn!("listener: ignored unexpected control message {other:?}"),
+            Err(e) => tracing::warn!(
+                "listener on device {}: ignored a bad handshake message: {e}",
+                self.dev.index
+            ),
+        }
+        Ok(())
+    }
+
     /// One accept step: a receive comm when a connection is complete.
     pub fn accept(&self) -> Result<Option<Arc<RecvComm>>> {
         let mut st = lock(&self.inner);
         let st = &mut *st;
-        let mut c = [Completion::default(); CQ_BATCH];
-        loop {
-            let n = match st.ep.cq().read(&mut c) {
-                Ok(n) => n,
-                Err(CqError::Completion(e)) => {
-                    // A control receive failed (e.g. an oversized message):
-                    // nothing of ours is lost; repost and carry on.
-                    tracing::warn!(
-                        "listener on device {}: dropped a bad handshake message: {e}",
-                        self.dev.index
-                    );
-                    if let Some(i) = st.ctrl.find(e.context) {
-                        st.ctrl.post(&st.ep, i)?;
-                    }
-                    continue;
-                }
-                Err(CqError::Fi(e)) => return Err(e.into()),
-            };
-            if n == 0 {
-                break;
-            }
-            for comp in &c[..n] {
-                let Some(i) = st.ctrl.find(comp.op_context) else {
-                    return Err(Error::internal(
-                        "listener: completion for an unknown buffer",
-                    ));
-                };
-                let msg = Ctrl::decode(st.ctrl.bytes(i, comp.len));
-                st.ctrl.post(&st.ep, i)?;
-                match msg {
-                    Ok(Ctrl::Conn { listener, conn, addr }) if listener == self.nonce => {
-                        let comm = Arc::new(RecvComm::open(Arc::clone(&self.dev))?);
-                        let to = lock(&comm.inner).ep.av().insert(&addr).map_err(|e| {
-                            Error::remote(format!("connecting peer sent an unusable address: {e}"))
-                        })?;
-                        lock(&comm.inner).peer = to;
-                        let ack = Ctrl::Ack {
-                            conn,
-                            credits: CREDITS,
-                            addr: lock(&comm.inner).ep.name()?,
-                        };
-                        st.pending.push(Pending {
-                            comm,
-                            to,
-                            ack,
-                            deadline: Instant::now() + self.dev.peer_timeout,
-                        });
-                    }
-                    Ok(Ctrl::Conn { listener, .. }) => tracing::warn!(
-                        "listener on device {}: ignored a connection meant for listener {listener:#x} (stale handle?)",
-                        self.dev.index
-                    ),
-                    Ok(other) => tracing::warn!("listener: ignored unexpected control message {other:?}"),
-                    Err(e) => tracing::warn!("listener on device {}: ignored a bad handshake message: {e}", self.dev.index),
+        let cq = Arc::clone(st.ep.cq());
+        drain(&cq, |ev| match ev {
+            Event::Done(comp) => self.on_conn(st, comp),
+            Event::Failed(e) => {
+                // A control receive failed (e.g. an oversized message):
+                // nothing of ours is lost; repost and carry on.
+                tracing::warn!(
+                    "listener on device {}: dropped a bad handshake message: {e}",
+                    self.dev.index
+                );
+                match st.ctrl.find(e.context) {
+                    Some(i) => st.ctrl.post(&st.ep, i),
+                    None => Ok(()),
                 }
             }
-        }
+        })?;
         // Send the Acks that are due.
         let mut i = 0;
         while i < st.pending.len() {
@@ -609,52 +662,23 @@ impl SendComm {
 
 impl SendState {
     fn progress(&mut self) -> Result<()> {
-        let mut c = [Completion::default(); CQ_BATCH];
-        loop {
-            let n = match self.ep.cq().read(&mut c) {
-                Ok(n) => n,
-                Err(CqError::Completion(e)) => {
-                    if let Some(i) = self.ctrl.find(e.context) {
-                        tracing::warn!("send comm: dropped a bad control message: {e}");
-                        self.ctrl.post(&self.ep, i)?;
-                    } else {
-                        let (slot, _) = decode_ctx(e.context);
-                        let idx = self.reqs.index_of(slot);
-                        match idx.and_then(|i| self.reqs.get_mut(i)) {
-                            Some(r) => {
-                                r.err = Some(completion_err(&e));
-                                r.remaining = 0;
-                            }
-                            None => {
-                                return Err(Error::system(format!(
-                                    "send comm: error for an unknown operation: {e}"
-                                )))
-                            }
-                        }
-                    }
-                    continue;
+        let cq = Arc::clone(self.ep.cq());
+        drain(&cq, |ev| match ev {
+            Event::Done(c) if c.flags & u64::from(fi::FI_RECV) != 0 => self.on_ctrl(c),
+            Event::Done(c) => complete(&mut self.reqs, c.op_context, Ok(None), "send comm"),
+            Event::Failed(e) => match self.ctrl.find(e.context) {
+                Some(i) => {
+                    tracing::warn!("send comm: dropped a bad control message: {e}");
+                    self.ctrl.post(&self.ep, i)
                 }
-                Err(CqError::Fi(e)) => return Err(e.into()),
-            };
-            if n == 0 {
-                return Ok(());
-            }
-            for comp in &c[..n] {
-                if comp.flags & u64::from(fi::FI_RECV) != 0 {
-                    self.on_ctrl(comp)?;
-                } else {
-                    let (slot, _) = decode_ctx(comp.op_context);
-                    match self.reqs.index_of(slot).and_then(|i| self.reqs.get_mut(i)) {
-                        Some(r) => r.remaining = r.remaining.saturating_sub(1),
-                        None => {
-                            return Err(Error::system(
-                                "send comm: completion for an unknown request",
-                            ))
-                        }
-                    }
-                }
-            }
-        }
+                None => complete(
+                    &mut self.reqs,
+                    e.context,
+                    Err(completion_err(&e)),
+                    "send comm",
+                ),
+            },
+        })
     }
 
     fn on_ctrl(&mut self, comp: &Completion) -> Result<()> {
@@ -839,52 +863,25 @@ impl RecvState {
     }
 
     fn progress(&mut self) -> Result<()> {
-        let mut c = [Completion::default(); CQ_BATCH];
-        loop {
-            let n = match self.ep.cq().read(&mut c) {
-                Ok(n) => n,
-                Err(CqError::Completion(e)) => {
-                    let (slot, sub) = decode_ctx(e.context);
-                    match self.reqs.index_of(slot).and_then(|i| self.reqs.get_mut(i)) {
-                        Some(r) => {
-                            if r.err.is_none() {
-                                r.err = Some(ReqErr {
-                                    sub,
-                                    ..completion_err(&e)
-                                });
-                            }
-                            r.remaining = r.remaining.saturating_sub(1);
-                            self.owed += 1;
-                        }
-                        None => {
-                            return Err(Error::system(format!(
-                                "receive comm: error for an unknown operation: {e}"
-                            )))
-                        }
-                    }
-                    continue;
-                }
-                Err(CqError::Fi(e)) => return Err(e.into()),
-            };
-            if n == 0 {
-                break;
+        let cq = Arc::clone(self.ep.cq());
+        drain(&cq, |ev| {
+            // Every matched message, delivered or failed, frees a credit.
+            self.owed += 1;
+            match ev {
+                Event::Done(c) => complete(
+                    &mut self.reqs,
+                    c.op_context,
+                    Ok(Some(c.len)),
+                    "receive comm",
+                ),
+                Event::Failed(e) => complete(
+                    &mut self.reqs,
+                    e.context,
+                    Err(completion_err(&e)),
+                    "receive comm",
+                ),
             }
-            for comp in &c[..n] {
-                let (slot, sub) = decode_ctx(comp.op_context);
-                match self.reqs.index_of(slot).and_then(|i| self.reqs.get_mut(i)) {
-                    Some(r) if usize::from(sub) < usize::from(r.n) => {
-                        r.sizes[usize::from(sub)] = comp.len;
-                        r.remaining = r.remaining.saturating_sub(1);
-                        self.owed += 1;
-                    }
-                    _ => {
-                        return Err(Error::system(
-                            "receive comm: completion for an unknown request",
-                        ))
-                    }
-                }
-            }
-        }
+        })?;
         self.post_pending()?;
         if self.owed >= CREDIT_BATCH {
             match send_ctrl(&self.ep, self.peer, &Ctrl::Credit { count: self.owed }) {
