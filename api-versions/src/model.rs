@@ -187,11 +187,14 @@ fn parse_ty(input: ParseStream) -> syn::Result<Ty> {
     Ok(Ty::Name(id.to_string()))
 }
 
-fn parse_fields(input: ParseStream) -> syn::Result<Vec<Field>> {
+/// Fields and the span of each name.
+fn parse_fields(input: ParseStream) -> syn::Result<(Vec<Field>, Vec<Span>)> {
     let mut out = Vec::new();
+    let mut spans = Vec::new();
     while !input.is_empty() {
         let name: Ident = input.parse()?;
         input.parse::<Token![:]>()?;
+        spans.push(name.span());
         out.push(Field {
             name: name.to_string(),
             ty: parse_ty(input)?,
@@ -201,7 +204,7 @@ fn parse_fields(input: ParseStream) -> syn::Result<Vec<Field>> {
         }
         input.parse::<Token![,]>()?;
     }
-    Ok(out)
+    Ok((out, spans))
 }
 
 /// A parsed descriptor together with the span of each member name, so the
@@ -259,12 +262,9 @@ impl Parse for Parsed {
             let name: Ident = input.parse()?;
             let content;
             braced!(content in input);
-            let fork = content.fork();
-            let fs = parse_fields(&content)?;
-            // Record spans by re-walking the tokens.
-            for f in &fs {
-                let _ = &fork;
-                field_spans.push((name.to_string(), f.name.clone(), name.span()));
+            let (fs, spans) = parse_fields(&content)?;
+            for (f, span) in fs.iter().zip(spans) {
+                field_spans.push((name.to_string(), f.name.clone(), span));
             }
             structs.push(Struct {
                 name: name.to_string(),
@@ -285,7 +285,7 @@ impl Parse for Parsed {
                 content.parse::<Token![fn]>()?;
                 let a;
                 parenthesized!(a in content);
-                let args = parse_fields(&a)?;
+                let (args, _) = parse_fields(&a)?;
                 content.parse::<Token![->]>()?;
                 let ret = parse_ty(&content)?;
                 table.push(Member::Fn {

@@ -1,6 +1,6 @@
 //! `export!`: one NCCL plugin table from one version descriptor.
 //!
-//! ```ignore
+//! ```text
 //! weft_api::net_v9!(weft_macros::export);                     // default mapping
 //! weft_api::net_v99!(weft_macros::export { null = [newHook]; props { newField = 0 } });
 //! ```
@@ -420,7 +420,13 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
                         let value = match m.props.iter().find(|(k, _)| *k == f.name) {
                             Some((_, e)) => quote!(#e),
                             None => prop_field(&f.name, &f.ty, d, core).ok_or_else(|| {
-                                syn::Error::new(span, format!(
+                                let fspan = input
+                                    .parsed
+                                    .field_spans
+                                    .iter()
+                                    .find(|(st, fl, _)| st == sname && *fl == f.name)
+                                    .map_or(span, |(_, _, sp)| *sp);
+                                syn::Error::new(fspan, format!(
                                     "{label}: props field `{}.{}` is not served by the core; give it a value in the mapping (`props {{ {} = ... }}`) or serve it in the core",
                                     sname, f.name, f.name
                                 ))
