@@ -55,6 +55,21 @@ pub fn connect_pair(
     })
 }
 
+/// A connected pair on device 0, set up as NCCL does it (the listener is
+/// closed as soon as accept returned).
+pub fn pair(ctx: *mut c_void) -> (*mut c_void, *mut c_void) {
+    let (mut h, l) = listen(ctx);
+    let sr = connect_pair(ctx, &mut h, l);
+    core::close_listen(l).expect("closeListen");
+    sr
+}
+
+/// Closes both ends of a pair.
+pub fn close_pair(s: *mut c_void, r: *mut c_void) {
+    core::close_send(s).expect("closeSend");
+    core::close_recv(r).expect("closeRecv");
+}
+
 /// Polls connect alone (the listener is in another process).
 pub fn connect(ctx: *mut c_void, handle: &mut [u8; HANDLE_SIZE]) -> *mut c_void {
     poll_until("connect", || {

@@ -5,9 +5,7 @@ use weft_tests::host::*;
 
 fn exchange_sizes(provider: &str) {
     let ctx = init(provider);
-    let (mut h, l) = listen(ctx);
-    let (s, r) = connect_pair(ctx, &mut h, l);
-    core::close_listen(l).unwrap();
+    let (s, r) = pair(ctx);
     for (seq, len) in [0usize, 1, 7, 4096, 8192, 8193, 65536, 1 << 20, 4 << 20]
         .into_iter()
         .enumerate()
@@ -34,8 +32,7 @@ fn exchange_sizes(provider: &str) {
         core::dereg_mr(s, smh).unwrap();
         core::dereg_mr(r, rmh).unwrap();
     }
-    core::close_send(s).unwrap();
-    core::close_recv(r).unwrap();
+    close_pair(s, r);
 }
 
 #[test]
@@ -52,9 +49,7 @@ fn shm_sizes() {
 /// tag, whatever order the sends go in; per tag, FIFO.
 fn grouped(provider: &str) {
     let ctx = init(provider);
-    let (mut h, l) = listen(ctx);
-    let (s, r) = connect_pair(ctx, &mut h, l);
-    core::close_listen(l).unwrap();
+    let (s, r) = pair(ctx);
     let props = core::properties(0).unwrap();
     let n = props.max_recvs as usize;
     assert_eq!(n, 8);
@@ -104,8 +99,7 @@ fn grouped(provider: &str) {
     for mh in mhs.into_iter().chain(rmhs).chain(rmhs2) {
         core::dereg_mr(s, mh).unwrap();
     }
-    core::close_send(s).unwrap();
-    core::close_recv(r).unwrap();
+    close_pair(s, r);
 }
 
 #[test]
@@ -123,8 +117,7 @@ fn shm_grouped_receives() {
 #[test]
 fn tcp_truncation_is_an_error() {
     let ctx = init("tcp");
-    let (mut h, l) = listen(ctx);
-    let (s, r) = connect_pair(ctx, &mut h, l);
+    let (s, r) = pair(ctx);
     for len in [100_000usize, 100] {
         let src = pattern(1, 5, len);
         let mut dst = vec![0x5Au8; len / 2 + 64];
@@ -168,9 +161,7 @@ fn tcp_truncation_is_an_error() {
         core::dereg_mr(s, smh).unwrap();
         core::dereg_mr(r, rmh).unwrap();
     }
-    core::close_send(s).unwrap();
-    core::close_recv(r).unwrap();
-    core::close_listen(l).unwrap();
+    close_pair(s, r);
 }
 
 #[test]
@@ -247,8 +238,7 @@ fn bad_handles_are_refused() {
 #[test]
 fn stale_and_foreign_pointers_are_errors() {
     let ctx = init("tcp");
-    let (mut h, l) = listen(ctx);
-    let (s, r) = connect_pair(ctx, &mut h, l);
+    let (s, r) = pair(ctx);
     let local = 0u64;
     let foreign = (&raw const local).cast_mut().cast();
     assert!(core::test(foreign).is_err());
@@ -295,7 +285,6 @@ fn stale_and_foreign_pointers_are_errors() {
     core::close_send(s).unwrap();
     assert!(core::close_send(s).is_err(), "double close");
     core::close_recv(r).unwrap();
-    core::close_listen(l).unwrap();
 }
 
 /// Out of credits (the receiver posts nothing): isend returns NULL after
@@ -305,8 +294,7 @@ fn stale_and_foreign_pointers_are_errors() {
 fn credits_bound_the_sender_and_come_back() {
     use weft::proto::sendrecv::CREDITS;
     let ctx = init("tcp");
-    let (mut h, l) = listen(ctx);
-    let (s, r) = connect_pair(ctx, &mut h, l);
+    let (s, r) = pair(ctx);
     let buf = pattern(0, 2, 64);
     let smh = reg(s, &buf);
     let mut sent = 0;
@@ -336,17 +324,14 @@ fn credits_bound_the_sender_and_come_back() {
     wait2(q, rq);
     core::dereg_mr(s, smh).unwrap();
     core::dereg_mr(r, rmh).unwrap();
-    core::close_send(s).unwrap();
-    core::close_recv(r).unwrap();
-    core::close_listen(l).unwrap();
+    close_pair(s, r);
 }
 
 /// Requests in flight at close: released, and a later test() is an error.
 #[test]
 fn close_with_requests_in_flight() {
     let ctx = init("tcp");
-    let (mut h, l) = listen(ctx);
-    let (s, r) = connect_pair(ctx, &mut h, l);
+    let (s, r) = pair(ctx);
     let mut dst = vec![0u8; 1 << 20];
     let rmh = reg(r, &dst);
     let rq = irecv(r, &mut [&mut dst[..]], &[9], &[rmh]);
@@ -359,20 +344,16 @@ fn close_with_requests_in_flight() {
     assert!(core::test(sq).is_err());
     core::dereg_mr(r, rmh).unwrap();
     core::dereg_mr(s, smh).unwrap();
-    core::close_listen(l).unwrap();
 }
 
 #[test]
 fn iflush_on_host_memory_is_a_null_request() {
     let ctx = init("tcp");
-    let (mut h, l) = listen(ctx);
-    let (s, r) = connect_pair(ctx, &mut h, l);
+    let (s, r) = pair(ctx);
     assert_eq!(core::iflush(r, 1).unwrap(), None);
     assert!(core::iflush(s, 1).is_err());
     assert!(core::iflush(r, 9).is_err());
-    core::close_send(s).unwrap();
-    core::close_recv(r).unwrap();
-    core::close_listen(l).unwrap();
+    close_pair(s, r);
 }
 
 /// regMr on a sub-range of a registered range is a cache hit, and a handle is
@@ -380,10 +361,8 @@ fn iflush_on_host_memory_is_a_null_request() {
 #[test]
 fn registrations_are_cached_and_global() {
     let ctx = init("tcp");
-    let (mut h, l) = listen(ctx);
-    let (s, r) = connect_pair(ctx, &mut h, l);
-    let (mut h2, l2) = listen(ctx);
-    let (s2, r2) = connect_pair(ctx, &mut h2, l2);
+    let (s, r) = pair(ctx);
+    let (s2, r2) = pair(ctx);
     let buf = pattern(0, 4, 1 << 16);
     let big = reg(s, &buf);
     let sub = reg(s, &buf[4096..8192]);
@@ -399,14 +378,8 @@ fn registrations_are_cached_and_global() {
     for mh in [big, sub, rmh] {
         core::dereg_mr(s, mh).unwrap();
     }
-    for c in [s, s2] {
-        core::close_send(c).unwrap();
-    }
-    for c in [r, r2] {
-        core::close_recv(c).unwrap();
-    }
-    core::close_listen(l).unwrap();
-    core::close_listen(l2).unwrap();
+    close_pair(s, r);
+    close_pair(s2, r2);
 }
 
 /// shm on libfabric 1.17 reports a truncated tagged receive only up to its
@@ -415,8 +388,7 @@ fn registrations_are_cached_and_global() {
 #[test]
 fn shm_truncation_writes_nothing_past_the_buffer() {
     let ctx = init("shm");
-    let (mut h, l) = listen(ctx);
-    let (s, r) = connect_pair(ctx, &mut h, l);
+    let (s, r) = pair(ctx);
     // Above shm's 4 KiB inline size, libfabric 1.17's shm never completes a
     // truncated receive: fi_cq_read waits inside libfabric (seen here with
     // 5000 and 100000 bytes). NCCL never sends more than the receiver posted;
@@ -473,7 +445,5 @@ fn shm_truncation_writes_nothing_past_the_buffer() {
         core::dereg_mr(s, smh).unwrap();
         core::dereg_mr(r, rmh).unwrap();
     }
-    core::close_send(s).unwrap();
-    core::close_recv(r).unwrap();
-    core::close_listen(l).unwrap();
+    close_pair(s, r);
 }
