@@ -109,9 +109,7 @@ fn run(provider: &str) {
     let ctx = host::init(provider);
     let pairs: Vec<Pair> = (0..PAIRS)
         .map(|i| {
-            let (mut h, l) = host::listen(ctx);
-            let (s, r) = host::connect_pair(ctx, &mut h, l);
-            core::close_listen(l).unwrap();
+            let (s, r) = host::pair(ctx);
             Pair {
                 s: s as usize,
                 r: r as usize,
@@ -163,7 +161,6 @@ fn run(provider: &str) {
     );
     assert!(regs > 0);
     for p in pairs {
-        core::close_send(p.s as *mut c_void).unwrap();
-        core::close_recv(p.r as *mut c_void).unwrap();
+        host::close_pair(p.s as *mut c_void, p.r as *mut c_void);
     }
 }
