@@ -60,6 +60,12 @@ impl Peer {
         reply
     }
 
+    /// Kills the peer (SIGKILL) and reaps it: a peer that dies.
+    pub fn kill(mut self) {
+        self.child.kill().expect("kill peer");
+        let _ = self.child.wait();
+    }
+
     /// Asks the peer to quit and checks it exited cleanly.
     pub fn quit(mut self) {
         self.start("quit");
