@@ -43,3 +43,40 @@ fn tcp_connect_to_dead_listener_fails() {
 fn shm_connect_to_dead_listener_fails() {
     connect_to_dead_listener("shm");
 }
+
+/// closeListen with a handshake half done: everything is released, and the
+/// connecting side fails within the timeout instead of hanging.
+#[test]
+fn tcp_close_listen_mid_handshake() {
+    std::env::set_var("WEFT_PEER_TIMEOUT", "3");
+    let ctx = host::init("tcp");
+    let (mut h, l) = host::listen(ctx);
+    // One connect step sends the Conn; one accept step reads it and opens the
+    // receive comm whose Ack is still to go out.
+    assert!(core::connect(ctx, 0, None, &mut h).unwrap().is_none());
+    let mut accepted = None;
+    for _ in 0..1000 {
+        accepted = core::accept(l).unwrap();
+        if accepted.is_some() {
+            break;
+        }
+    }
+    core::close_listen(l).unwrap();
+    assert!(
+        core::accept(l).is_err(),
+        "a closed listener is an error, not freed memory"
+    );
+    let res = weft_tests::poll_until("connect to finish or fail", || {
+        match core::connect(ctx, 0, None, &mut h) {
+            Ok(None) => None,
+            other => Some(other),
+        }
+    });
+    match (accepted, res) {
+        // The Ack made it out before the close: a normal connection.
+        (Some(r), Ok(Some(s))) => host::close_pair(s, r),
+        // Otherwise connect reports the listener gone.
+        (_, Err(e)) => assert_eq!(e.code, core::Code::Remote, "{e}"),
+        (a, r) => panic!("unexpected outcome: accept {a:?}, connect {r:?}"),
+    }
+}
