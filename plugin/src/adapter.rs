@@ -115,7 +115,6 @@ impl SizeArray {
     unsafe fn get(self, i: usize, what: &str) -> Result<usize> {
         // SAFETY: the caller bounds `i` by NCCL's `n`.
         match self {
-            SizeArray::None => Err(Error::internal(format!("NULL `{what}` array"))),
             // SAFETY: non-NULL, and the caller bounds `i`.
             SizeArray::Int(p) if !p.is_null() => CSize::Int(unsafe { *p.add(i) }).get(what),
             // SAFETY: non-NULL, and the caller bounds `i`.
@@ -131,7 +130,6 @@ impl SizeArray {
     unsafe fn set(self, i: usize, v: usize, what: &str) -> Result<()> {
         // SAFETY: the caller bounds `i` by NCCL's `n`.
         match self {
-            SizeArray::None => Ok(()),
             SizeArray::Int(p) if !p.is_null() => {
                 let v = c_int::try_from(v).map_err(|_| {
                     Error::internal(format!("{what} {v} does not fit the int NCCL passes"))

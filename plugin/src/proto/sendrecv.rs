@@ -654,9 +654,9 @@ impl SendComm {
     /// Tests a request of this comm.
     pub fn test(&self, req: *const u8) -> Result<Option<Done>> {
         let mut st = lock(&self.inner);
-        test_request(&mut st.reqs, req, "send")?;
+        let i = test_request(&mut st.reqs, req, "send")?;
         st.progress()?;
-        finish(&mut st.reqs, req, "peer")
+        finish(&mut st.reqs, i, "peer")
     }
 }
 
@@ -720,10 +720,12 @@ fn test_request(reqs: &mut Pool<Request>, req: *const u8, what: &str) -> Result<
         .ok_or_else(|| Error::internal(format!("test: {req:p} is not a live {what} request (already completed, or not from this plugin)")))
 }
 
-/// Completes `req` if it is done: frees it and returns its sizes or error.
-fn finish(reqs: &mut Pool<Request>, req: *const u8, peer: &str) -> Result<Option<Done>> {
-    let i = test_request(reqs, req, "")?;
-    let r = *reqs.get_mut(i).expect("checked live");
+/// Completes request `i` if it is done: frees it and returns its sizes or error.
+/// `i` was validated by `test_request`; progress never frees a request.
+fn finish(reqs: &mut Pool<Request>, i: u32, peer: &str) -> Result<Option<Done>> {
+    let r = *reqs
+        .get_mut(i)
+        .ok_or_else(|| Error::internal("test: the request was freed during progress"))?;
     if r.remaining > 0 {
         return Ok(None);
     }
@@ -819,9 +821,9 @@ impl RecvComm {
     /// Tests a request of this comm.
     pub fn test(&self, req: *const u8) -> Result<Option<Done>> {
         let mut st = lock(&self.inner);
-        test_request(&mut st.reqs, req, "receive")?;
+        let i = test_request(&mut st.reqs, req, "receive")?;
         st.progress()?;
-        finish(&mut st.reqs, req, "peer")
+        finish(&mut st.reqs, i, "peer")
     }
 }
 
