@@ -279,6 +279,17 @@ fn stale_and_foreign_pointers_are_errors() {
         std::ptr::null_mut()
     )
     .is_err());
+    // A buffer without its memory handle cannot be validated: refused.
+    let e = core::isend(
+        s,
+        buf.as_ptr() as *mut _,
+        64,
+        1,
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+    )
+    .unwrap_err();
+    assert!(e.msg.contains("without a memory handle"), "{e}");
     core::dereg_mr(s, smh).unwrap();
     assert!(core::dereg_mr(s, smh).is_err(), "double deregistration");
     core::dereg_mr(r, rmh).unwrap();

@@ -72,7 +72,7 @@ pub struct Ctx {
 #[derive(Debug)]
 pub struct MrHandle {
     dev: usize,
-    region: Mutex<Option<Arc<Region<Mr>>>>,
+    region: Arc<Region<Mr>>,
 }
 
 /// The owner of a request (for `test`).
@@ -325,7 +325,7 @@ pub fn reg_mr(
         unsafe { d.mr.register(data as usize, size) }.map_err(|e| Error::system(e.to_string()))?;
     Ok(REG.mr.insert(Arc::new(MrHandle {
         dev: d.index,
-        region: Mutex::new(Some(region)),
+        region,
     })))
 }
 
@@ -335,16 +335,19 @@ pub fn dereg_mr(_comm: *mut c_void, mh: *mut c_void) -> Result<()> {
     let h = REG.mr.remove(mh).ok_or_else(|| {
         Error::internal(format!("deregMr: {mh:p} is not a live Weft memory handle"))
     })?;
-    let region = h.region.lock().unwrap_or_else(|e| e.into_inner()).take();
-    if let (Some(r), Ok(p)) = (region, plugin()) {
-        if let Some(d) = p.devices.get(h.dev) {
-            d.mr.release(r);
-        }
+    let dev = h.dev;
+    // Normally the registry held the last reference; if a data-path call
+    // still holds one, the registration lives until it lets go.
+    let region = Arc::try_unwrap(h).map_or_else(|h| Arc::clone(&h.region), |h| h.region);
+    if let Some(d) = plugin()?.devices.get(dev) {
+        d.mr.release(region);
     }
     Ok(())
 }
 
-/// The descriptor for `data..data+size` under `mh` on device `dev`.
+/// The descriptor for `data..data+size` under `mh` on device `dev`. Every
+/// data buffer must come with the handle it was registered under, so the
+/// buffer itself is validated (it lies in memory NCCL registered).
 fn desc_for(
     mh: *mut c_void,
     dev: usize,
@@ -353,7 +356,9 @@ fn desc_for(
     call: &str,
 ) -> Result<*mut c_void> {
     if mh.is_null() {
-        return Ok(std::ptr::null_mut());
+        return Err(Error::internal(format!(
+            "{call}: buffer {data:p} comes without a memory handle (NCCL registers every buffer it passes)"
+        )));
     }
     let h = REG.mr.get(mh).ok_or_else(|| {
         Error::internal(format!("{call}: {mh:p} is not a live Weft memory handle"))
@@ -364,10 +369,7 @@ fn desc_for(
             h.dev
         )));
     }
-    let g = h.region.lock().unwrap_or_else(|e| e.into_inner());
-    let r = g
-        .as_ref()
-        .ok_or_else(|| Error::internal(format!("{call}: memory handle was deregistered")))?;
+    let r = &h.region;
     if !r.contains(data as usize, size) {
         return Err(Error::internal(format!(
             "{call}: buffer {data:p} + {size} bytes lies outside its registration {:#x?}",
