@@ -1,20 +1,32 @@
-//! A listener that is gone: connect must fail within WEFT_PEER_TIMEOUT,
-//! never poll forever (the first part of "fail fast").
+//! Fail fast: a peer or listener that is gone is an error within
+//! WEFT_PEER_TIMEOUT, never a hang; a peer that is alive but idle is not.
+//! Each test runs against a spawned `weft-peer` process that is SIGKILLed.
 
+use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use weft::core;
+use weft_tests::capture::{lines, weft_test_capture_logger};
 use weft_tests::host;
-use weft_tests::peer::{unhex, Peer};
+use weft_tests::peer::{hex, unhex, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_weft-peer");
 
-fn connect_to_dead_listener(provider: &str) {
+fn connect_to_dead_listener(provider: &str, how: &str) {
     std::env::set_var("WEFT_PEER_TIMEOUT", "3");
     let mut peer = Peer::spawn(PEER);
     peer.cmd(&format!("init {provider}"));
     let mut h = unhex(peer.cmd("listen").strip_prefix("handle ").expect("handle")).unwrap();
-    peer.kill();
+    let _alive = match how {
+        "killed" => {
+            peer.kill();
+            None
+        }
+        _ => {
+            peer.cmd("close-listen");
+            Some(peer)
+        }
+    };
     let ctx = host::init(provider);
     let start = Instant::now();
     let err = weft_tests::poll_until("connect to fail", || {
@@ -31,17 +43,188 @@ fn connect_to_dead_listener(provider: &str) {
     );
     assert_eq!(err.code, core::Code::Remote, "{err}");
     assert!(err.msg.contains("listener"), "{err}");
-    println!("{provider}: connect to a dead listener failed after {took:?}: {err}");
+    println!("{provider}: connect to a {how} listener failed after {took:?}: {err}");
 }
 
 #[test]
 fn tcp_connect_to_dead_listener_fails() {
-    connect_to_dead_listener("tcp");
+    connect_to_dead_listener("tcp", "killed");
 }
 
 #[test]
 fn shm_connect_to_dead_listener_fails() {
-    connect_to_dead_listener("shm");
+    connect_to_dead_listener("shm", "killed");
+}
+
+#[test]
+fn tcp_connect_to_closed_listener_fails() {
+    connect_to_dead_listener("tcp", "closed");
+}
+
+#[test]
+fn shm_connect_to_closed_listener_fails() {
+    connect_to_dead_listener("shm", "closed");
+}
+
+/// Send and receive comms to a peer process, with 4 sends and 4 receives of
+/// 1 MiB in flight that the peer never matches. While the peer lives (idle,
+/// waiting on stdin) for more than twice the timeout, nothing fails; once it
+/// is SIGKILLed, every request fails with a remote error naming it.
+fn dead_peer_mid_transfer(provider: &str) {
+    const T: u64 = 2;
+    std::env::set_var("WEFT_PEER_TIMEOUT", T.to_string());
+    let mut peer = Peer::spawn(PEER);
+    peer.cmd(&format!("init {provider}"));
+    host::configure(provider);
+    let ctx = core::init(core::InitArgs {
+        logger: Some(weft_test_capture_logger),
+        traffic_class: -1,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut h = unhex(peer.cmd("listen").strip_prefix("handle ").expect("handle")).unwrap();
+    peer.start("accept");
+    let s = host::connect(ctx, &mut h);
+    assert_eq!(peer.reply(), "ok");
+    let (hh, l) = host::listen(ctx);
+    peer.start(&format!("connect {}", hex(&hh)));
+    let r = host::accept(l);
+    core::close_listen(l).unwrap();
+    assert_eq!(peer.reply(), "ok");
+
+    const SIZE: usize = 1 << 20;
+    let out = vec![7u8; SIZE];
+    let mut inb = vec![0u8; 4 * SIZE];
+    let smh = host::reg(s, &out);
+    let rmh = host::reg(r, &inb);
+    let mut reqs: Vec<(&str, *mut c_void)> = (0..4)
+        .map(|_| ("send", host::isend(s, &out, 5, smh)))
+        .collect();
+    for chunk in inb.chunks_mut(SIZE) {
+        reqs.push(("receive", host::irecv(r, &mut [chunk], &[5], &[rmh])));
+    }
+
+    // Alive and idle: receives keep waiting, nothing fails.
+    let idle = Duration::from_secs(2 * T + 1);
+    let start = Instant::now();
+    while start.elapsed() < idle {
+        reqs.retain(|&(what, q)| match core::test(q) {
+            Ok(None) => true,
+            Ok(Some(_)) if what == "send" => false, // a provider may buffer a send
+            Ok(Some(d)) => panic!("{provider}: a receive completed with nothing sent: {d:?}"),
+            Err(e) => panic!("{provider}: {what} failed while its peer was alive and idle: {e}"),
+        });
+        std::thread::yield_now();
+    }
+    assert!(
+        reqs.iter().filter(|r| r.0 == "receive").count() == 4,
+        "{provider}: the receives are still posted"
+    );
+
+    let killed = Instant::now();
+    peer.kill();
+    let mut worst = Duration::ZERO;
+    for &(what, q) in &reqs {
+        let err = weft_tests::poll_until("the request to fail", || match core::test(q) {
+            Ok(None) => None,
+            Ok(Some(d)) => panic!("{provider}: {what} completed with its peer dead: {d:?}"),
+            Err(e) => Some(e),
+        });
+        worst = worst.max(killed.elapsed());
+        assert_eq!(err.code, core::Code::Remote, "{provider} {what}: {err}");
+        assert!(
+            err.msg.contains("declared dead"),
+            "{provider} {what}: {err}"
+        );
+        assert!(!err.msg.contains("not connected"), "names the peer: {err}");
+    }
+    println!(
+        "{provider}: {} requests in flight failed {worst:?} after the peer was killed (WEFT_PEER_TIMEOUT = {T} s)",
+        reqs.len()
+    );
+    // Detection is due at T of silence; the margin is for a loaded machine.
+    assert!(
+        worst < Duration::from_secs(2 * T + 3),
+        "{provider}: took {worst:?}"
+    );
+    let warns: Vec<_> = lines()
+        .into_iter()
+        .filter(|l| l.level == weft::log::level::WARN && l.text.contains("in flight failed"))
+        .collect();
+    assert!(
+        !warns.is_empty()
+            && warns
+                .iter()
+                .all(|l| l.text.contains("silent") || l.text.contains("broken")),
+        "{provider}: a WARN names the dead peer and why: {warns:?}"
+    );
+    println!("{provider}: {}", warns[0].text);
+    let err = core::isend(
+        s,
+        out.as_ptr() as *mut c_void,
+        8,
+        5,
+        smh,
+        std::ptr::null_mut(),
+    )
+    .expect_err("a comm to a dead peer takes no new sends");
+    assert_eq!(err.code, core::Code::Remote, "{err}");
+    core::dereg_mr(s, smh).unwrap();
+    core::dereg_mr(r, rmh).unwrap();
+    host::close_pair(s, r);
+    core::finalize(ctx).unwrap();
+}
+
+#[test]
+fn tcp_dead_peer_fails_requests_in_flight() {
+    dead_peer_mid_transfer("tcp");
+}
+
+#[test]
+fn shm_dead_peer_fails_requests_in_flight() {
+    dead_peer_mid_transfer("shm");
+}
+
+/// accept on a listener whose connecting peer died after its Conn was
+/// answered: an error within the timeout, not an accept polled forever.
+fn accept_from_dead_connector(provider: &str) {
+    std::env::set_var("WEFT_PEER_TIMEOUT", "2");
+    let mut peer = Peer::spawn(PEER);
+    peer.cmd(&format!("init {provider}"));
+    let ctx = host::init(provider);
+    let (h, l) = host::listen(ctx);
+    let l = l as usize;
+    let acceptor = std::thread::spawn(move || {
+        weft_tests::poll_until("accept to fail", || match core::accept(l as *mut c_void) {
+            Ok(None) => None,
+            Ok(Some(_)) => panic!("accepted a peer that never confirmed"),
+            Err(e) => Some((e, Instant::now())),
+        })
+    });
+    // The peer returns once it has read the Ack, then dies.
+    peer.cmd(&format!("half-connect {}", hex(&h)));
+    let killed = Instant::now();
+    peer.kill();
+    let (err, at) = acceptor.join().expect("acceptor thread");
+    let took = at.saturating_duration_since(killed);
+    assert_eq!(err.code, core::Code::Remote, "{err}");
+    assert!(err.msg.contains("never confirmed"), "{err}");
+    assert!(
+        took < Duration::from_secs(2 + 5),
+        "{provider}: took {took:?}"
+    );
+    println!("{provider}: accept failed {took:?} after its connecting peer was killed: {err}");
+    core::close_listen(l as *mut c_void).unwrap();
+}
+
+#[test]
+fn tcp_accept_from_dead_connector_fails() {
+    accept_from_dead_connector("tcp");
+}
+
+#[test]
+fn shm_accept_from_dead_connector_fails() {
+    accept_from_dead_connector("shm");
 }
 
 /// closeListen with a handshake half done: everything is released, and the

@@ -57,6 +57,16 @@ impl<T> Registry<T> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// The live objects, at this moment.
+    pub fn values(&self) -> Vec<Arc<T>> {
+        let map = self.map.read().unwrap_or_else(|e| e.into_inner());
+        map.values().cloned().collect()
+    }
+    /// Forgets every object and returns how many there were.
+    pub fn clear(&self) -> usize {
+        let old = std::mem::take(&mut *self.map.write().unwrap_or_else(|e| e.into_inner()));
+        old.len()
+    }
 }
 
 /// Address ranges owned by an object (request pools -> their comm).
@@ -95,6 +105,10 @@ impl<T> RangeRegistry<T> {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&start);
     }
+    /// Forgets every range.
+    pub fn clear(&self) {
+        self.map.write().unwrap_or_else(|e| e.into_inner()).clear();
+    }
 }
 
 #[cfg(test)]
@@ -110,6 +124,10 @@ mod tests {
         assert!(r.get((p as usize + 4) as *const c_void).is_none());
         assert!(r.remove(p).is_some());
         assert!(r.get(p).is_none(), "stale after removal");
+        let q = r.insert(Arc::new(6u32));
+        assert_eq!(r.values().len(), 1);
+        assert_eq!(r.clear(), 1);
+        assert!(r.get(q).is_none() && r.is_empty());
     }
 
     #[test]

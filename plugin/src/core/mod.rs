@@ -8,12 +8,13 @@
 
 pub mod error;
 pub mod handles;
+pub mod keeper;
 pub mod pool;
 pub mod props;
 
 use std::ffi::c_void;
 use std::sync::{Arc, LazyLock, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use error::{Code, Error, Result};
 pub use props::Properties;
@@ -24,7 +25,7 @@ use crate::fabric::{Domain, DomainRegistrar, Mr};
 use crate::log::NcclDebugLogger;
 use crate::mr::{MrCache, Region};
 pub use crate::proto::sendrecv::Done;
-use crate::proto::sendrecv::{ListenComm, RecvBuf, RecvComm, SendComm};
+use crate::proto::sendrecv::{heartbeat_period, ListenComm, RecvBuf, RecvComm, SendComm};
 use crate::proto::wire::{self, ListenHandle, HANDLE_SIZE};
 use handles::{RangeRegistry, Registry};
 
@@ -92,23 +93,40 @@ struct Registries {
     req: RangeRegistry<ReqOwner>,
 }
 
-static REG: LazyLock<Registries> = LazyLock::new(Registries::default);
-static PLUGIN: Mutex<Option<Arc<Plugin>>> = Mutex::new(None);
-static PROCESS_CTX: Mutex<usize> = Mutex::new(0);
-
-fn plugin() -> Result<Arc<Plugin>> {
-    PLUGIN
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone()
-        .ok_or_else(|| Error::internal("called before init"))
+/// The plugin while at least one context is live.
+#[derive(Debug)]
+struct Running {
+    plugin: Arc<Plugin>,
+    keeper: keeper::Keeper,
 }
 
-fn open_plugin() -> Result<Arc<Plugin>> {
-    let mut g = PLUGIN.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(p) = &*g {
-        return Ok(Arc::clone(p));
+static REG: LazyLock<Registries> = LazyLock::new(Registries::default);
+static RUNNING: Mutex<Option<Running>> = Mutex::new(None);
+static PROCESS_CTX: Mutex<usize> = Mutex::new(0);
+
+fn running() -> std::sync::MutexGuard<'static, Option<Running>> {
+    RUNNING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn plugin() -> Result<Arc<Plugin>> {
+    running()
+        .as_ref()
+        .map(|r| Arc::clone(&r.plugin))
+        .ok_or_else(|| Error::internal("called before init (or after the last finalize)"))
+}
+
+/// One heartbeat tick over every connected comm (the keeper's work).
+fn keep_alive(now: Instant) {
+    for c in REG.send.values() {
+        c.keepalive(now);
     }
+    for c in REG.recv.values() {
+        c.keepalive(now);
+    }
+}
+
+/// Opens the devices and starts the keeper.
+fn start() -> Result<Running> {
     let config = config::global()?.clone();
     let found = device::discover(&config)?;
     let mut devices = Vec::with_capacity(found.len());
@@ -127,9 +145,30 @@ fn open_plugin() -> Result<Arc<Plugin>> {
             dev,
         }));
     }
-    let p = Arc::new(Plugin { config, devices });
-    *g = Some(Arc::clone(&p));
-    Ok(p)
+    let keeper = keeper::Keeper::start(heartbeat_period(config.peer_timeout), keep_alive)?;
+    Ok(Running {
+        plugin: Arc::new(Plugin { config, devices }),
+        keeper,
+    })
+}
+
+/// The last context is gone: joins the keeper, closes whatever NCCL left
+/// open, and drops the devices (endpoints, registrations, domains, fabrics),
+/// so the library can be unloaded and loaded again.
+fn teardown(r: Running) {
+    drop(r.keeper);
+    let left = REG.listen.clear() + REG.send.clear() + REG.recv.clear() + REG.mr.clear();
+    REG.req.clear();
+    if left > 0 {
+        tracing::warn!(
+            "finalize: {left} comm(s) or memory handle(s) were still open at the last finalize; closed them"
+        );
+    }
+    drop(r.plugin);
+    tracing::info!(
+        target: "weft::init",
+        "last context finalized: keeper thread joined, endpoints, registrations and domains closed"
+    );
 }
 
 /// What `init` receives, in the newest API's terms.
@@ -145,15 +184,22 @@ pub struct InitArgs {
     pub traffic_class: i32,
 }
 
-/// `init` (v11+): a new context.
+/// `init` (v11+): a new context. The first one opens the devices and starts
+/// the keeper.
 pub fn init(args: InitArgs) -> Result<*mut c_void> {
     crate::log::set_logger(args.logger);
-    let plugin = open_plugin()?;
+    // Held until the context is recorded, so a concurrent last finalize
+    // cannot tear down what this context uses.
+    let mut g = running();
+    let r = match &mut *g {
+        Some(r) => r,
+        None => g.insert(start()?),
+    };
     Ok(REG.ctx.insert(Arc::new(Ctx {
         comm_id: args.comm_id,
         traffic_class: args.traffic_class,
         profiler: args.profiler,
-        plugin,
+        plugin: Arc::clone(&r.plugin),
     })))
 }
 
@@ -181,12 +227,18 @@ pub fn process_ctx() -> Result<*mut c_void> {
     }
 }
 
-/// `finalize(ctx)`.
+/// `finalize(ctx)`. The last one tears everything down (see [`teardown`]).
 pub fn finalize(ctx: *mut c_void) -> Result<()> {
+    let mut g = running();
     REG.ctx
         .remove(ctx)
-        .map(drop)
-        .ok_or_else(|| Error::internal(format!("finalize: {ctx:p} is not a live Weft context")))
+        .ok_or_else(|| Error::internal(format!("finalize: {ctx:p} is not a live Weft context")))?;
+    if REG.ctx.is_empty() {
+        if let Some(r) = g.take() {
+            teardown(r);
+        }
+    }
+    Ok(())
 }
 
 fn ctx(p: *mut c_void) -> Result<Arc<Ctx>> {

@@ -77,6 +77,29 @@ impl Av {
         Ok(())
     }
 
+    /// A printable form of a peer name (e.g. `fi_sockaddr_in://127.0.0.1:4242`),
+    /// for log lines; the hex bytes when the provider cannot format it.
+    pub fn straddr(&self, name: &[u8]) -> String {
+        let mut buf = [0u8; 128];
+        let mut len = buf.len();
+        // SAFETY: AV is live; `name` holds one address of this provider (it
+        // was inserted successfully); libfabric writes at most `len` bytes
+        // into `buf` and returns it, NUL-terminated when it fits.
+        let p = unsafe {
+            fi::fi_av_straddr(
+                self.ptr,
+                name.as_ptr().cast(),
+                buf.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        if p.is_null() {
+            return name.iter().map(|b| format!("{b:02x}")).collect();
+        }
+        let n = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    }
+
     pub(crate) fn fid(&self) -> *mut fi::fid {
         // SAFETY: `ptr` is live for as long as `self`.
         unsafe { &mut (*self.ptr).fid }

@@ -9,7 +9,10 @@
 //!    `Conn{listener nonce, conn nonce, S}` to the listener L.
 //! 2. `accept` reads the Conn, opens the receive endpoint R and injects
 //!    `Ack{conn nonce, credits, R}` from R to S.
-//! 3. `connect` reads the Ack; data then flows S -> R.
+//! 3. `connect` reads the Ack and injects `Alive` from S to R; data then
+//!    flows S -> R. `accept` hands R to NCCL once something from S arrived,
+//!    so a connecting peer that dies mid-handshake is an error, not a comm
+//!    that never receives.
 //!
 //! Each pair of endpoints is connected by one side only (S->L, then R->S; S
 //! only sends to R after R's Ack arrived over that connection), so the
@@ -25,11 +28,22 @@
 //! the receiver's provider buffers at most `credits` unexpected messages per
 //! comm (rxm buffers each unexpected eager message, up to 16 KiB). An `isend`
 //! without credit returns a NULL request, as NCCL allows.
+//!
+//! **Liveness.** Both ends of a connected pair inject `Alive` every
+//! heartbeat period (`WEFT_PEER_TIMEOUT` / 8), from the plugin's keeper
+//! thread, so a peer that is alive but busy elsewhere (not calling into the
+//! plugin) still answers. Anything received from the peer counts as a sign of
+//! life. A peer silent for `WEFT_PEER_TIMEOUT` minus one period is declared
+//! dead: every request in flight on the comm fails (`test` returns a remote
+//! error naming the peer), posted operations are cancelled, and the comm
+//! refuses new ones. A hard error from the provider when sending the
+//! heartbeat (connection refused or reset) declares it dead at once. Request
+//! age plays no part: a receive may wait for hours on a live peer.
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use libfabric_sys as fi;
 
@@ -53,6 +67,14 @@ pub const CREDITS: u32 = (MAX_REQUESTS * MAX_RECVS) as u32 + CREDIT_BATCH;
 const CTRL_POSTED: usize = 4;
 /// Completions read per `fi_cq_read`.
 const CQ_BATCH: usize = 16;
+/// `ReqErr::fi_err` of requests failed because their peer died.
+const PEER_DEAD: u32 = 0;
+
+/// How often each end of a comm says it is alive: an eighth of the peer
+/// timeout, so a live peer gets seven chances within one timeout.
+pub fn heartbeat_period(peer_timeout: Duration) -> Duration {
+    (peer_timeout / 8).max(Duration::from_millis(1))
+}
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -157,6 +179,153 @@ fn send_ctrl(ep: &Endpoint, to: FiAddr, msg: &Ctrl) -> std::result::Result<(), F
     ep.tinject(&b[..n], to, CTRL_TAG)
 }
 
+/// A comm's view of its peer: where it is and whether it still answers.
+struct Link {
+    /// The peer's address in this comm's AV.
+    addr: FiAddr,
+    /// The peer's address in words, for log lines and errors.
+    name: String,
+    /// Something arrived from the peer since the keeper last looked (set on
+    /// the data path, where reading the clock would cost).
+    heard: bool,
+    /// When the keeper last saw `heard` (or the link was made).
+    last_heard: Instant,
+    /// When this end last sent `Alive` (None: due now).
+    last_said: Option<Instant>,
+    /// Why the peer was declared dead.
+    dead: Option<String>,
+}
+
+impl Link {
+    fn new() -> Self {
+        Self {
+            addr: fi::FI_ADDR_NOTAVAIL,
+            name: "(not connected)".to_owned(),
+            heard: false,
+            last_heard: Instant::now(),
+            last_said: None,
+            dead: None,
+        }
+    }
+
+    /// Records the peer's endpoint name; its life is counted from now.
+    fn connect(&mut self, ep: &Endpoint, name: &[u8]) -> std::result::Result<FiAddr, FiError> {
+        self.addr = ep.av().insert(name)?;
+        self.name = ep.av().straddr(name);
+        self.last_heard = Instant::now();
+        Ok(self.addr)
+    }
+
+    /// An error if the peer was declared dead.
+    fn check(&self) -> Result<()> {
+        match &self.dead {
+            Some(why) => Err(Error::remote(why.clone())),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The parts of a connected comm's state the liveness logic needs.
+trait Side {
+    /// "send comm to" or "receive comm from", for log lines.
+    const WHAT: &'static str;
+    /// True once the link has a peer.
+    fn linked(&self) -> bool;
+    /// The endpoint, requests and link, borrowed together.
+    fn parts(&mut self) -> (&Endpoint, &mut Pool<Request>, &mut Link);
+    /// Reads the CQ and applies what it holds.
+    fn progress(&mut self) -> Result<()>;
+}
+
+/// Declares the peer dead: fails every request in flight, cancels what is
+/// posted, and logs one WARN naming the peer.
+fn die<S: Side>(st: &mut S, why: String) {
+    let (ep, reqs, link) = st.parts();
+    if link.dead.is_some() {
+        return;
+    }
+    let mut failed = 0;
+    let live: Vec<u32> = reqs.live().collect();
+    for i in live {
+        let slot = reqs.ptr(i).map_or(0, |p| p.as_ptr() as usize);
+        let Some(r) = reqs.get_mut(i) else { continue };
+        if r.remaining == 0 {
+            continue;
+        }
+        for sub in 0..r.n {
+            // SAFETY: the context is the one this request's operation was
+            // posted with; cancelling an operation that already finished, or
+            // was never posted, is a harmless error.
+            let _ = unsafe { ep.cancel((slot + usize::from(sub)) as *mut c_void) };
+        }
+        if r.err.is_none() {
+            r.err = Some(ReqErr {
+                fi_err: PEER_DEAD,
+                len: 0,
+                olen: 0,
+                tag: 0,
+                sub: 0,
+            });
+        }
+        r.remaining = 0;
+        failed += 1;
+    }
+    tracing::warn!(
+        "{} {}: {why}; {failed} request(s) in flight failed, and the comm takes no new ones. \
+         Check that process (its log, the OOM killer, the node); raise WEFT_PEER_TIMEOUT if it was only slow",
+        S::WHAT,
+        link.name
+    );
+    link.dead = Some(why);
+}
+
+/// One heartbeat tick of a comm (from the keeper thread): says `Alive`
+/// when due, makes progress, and declares the peer dead after
+/// `timeout - period` of silence.
+fn keepalive<S: Side>(st: &mut S, timeout: Duration, now: Instant) {
+    if !st.linked() {
+        return;
+    }
+    let period = heartbeat_period(timeout);
+    let (ep, _, link) = st.parts();
+    if link.dead.is_some() {
+        return;
+    }
+    if link
+        .last_said
+        .is_none_or(|t| now.saturating_duration_since(t) >= period)
+    {
+        match send_ctrl(ep, link.addr, &Ctrl::Alive) {
+            Ok(()) => link.last_said = Some(now),
+            Err(e) if e.is_again() => {}
+            Err(e) => {
+                return die(
+                    st,
+                    format!("the provider reports the connection to the peer broken ({e})"),
+                )
+            }
+        }
+    }
+    if let Err(e) = st.progress() {
+        return die(st, format!("progress failed: {e}"));
+    }
+    let (_, _, link) = st.parts();
+    if std::mem::take(&mut link.heard) {
+        link.last_heard = now;
+    }
+    let silent = now.saturating_duration_since(link.last_heard);
+    if silent + period >= timeout {
+        die(
+            st,
+            format!(
+                "peer silent for {:.1} s (WEFT_PEER_TIMEOUT = {:.1} s): its process died, hangs, or the network is down",
+                silent.as_secs_f64(),
+                timeout.as_secs_f64()
+            ),
+        );
+    }
+}
+
 /// What happened to one sub-operation that failed.
 #[derive(Debug, Clone, Copy)]
 struct ReqErr {
@@ -230,7 +399,14 @@ fn decode_ctx(ctx: *mut c_void) -> (*const u8, u8) {
 }
 
 /// Turns a failed sub-operation into the error `test` reports.
-fn req_error(kind: Kind, e: ReqErr, capacity: usize, peer: &str) -> Error {
+fn req_error(kind: Kind, e: ReqErr, capacity: usize, link: &Link) -> Error {
+    let peer = &link.name;
+    if e.fi_err == PEER_DEAD {
+        return Error::remote(format!(
+            "peer {peer} declared dead: {}",
+            link.dead.as_deref().unwrap_or("no reason recorded")
+        ));
+    }
     let what = if kind == Kind::Send {
         "send"
     } else {
@@ -333,10 +509,12 @@ pub struct ListenComm {
     inner: Mutex<ListenState>,
 }
 
+/// A connection being accepted.
 struct Pending {
     comm: Arc<RecvComm>,
     to: FiAddr,
-    ack: Ctrl,
+    /// The Ack, until it is sent; then the connecting side's first word is awaited.
+    ack: Option<Ctrl>,
     deadline: Instant,
 }
 
@@ -345,7 +523,6 @@ struct ListenState {
     ep: Endpoint,
     ctrl: CtrlBufs,
     pending: Vec<Pending>,
-    ready: VecDeque<Arc<RecvComm>>,
 }
 
 impl std::fmt::Debug for ListenComm {
@@ -371,7 +548,6 @@ impl ListenComm {
                     ep,
                     ctrl,
                     pending: Vec::new(),
-                    ready: VecDeque::new(),
                 }),
             },
             handle,
@@ -392,17 +568,16 @@ impl ListenComm {
             Ok(Ctrl::Conn { listener, conn, addr }) if listener == self.nonce => {
                 let comm = Arc::new(RecvComm::open(Arc::clone(&self.dev))?);
                 let (to, name) = {
-                    let mut rs = lock(&comm.inner);
-                    let to = rs.ep.av().insert(&addr).map_err(|e| {
+                    let rs = &mut *lock(&comm.inner);
+                    let to = rs.link.connect(&rs.ep, &addr).map_err(|e| {
                         Error::remote(format!("connecting peer sent an unusable address: {e}"))
                     })?;
-                    rs.peer = to;
                     (to, rs.ep.name()?)
                 };
                 st.pending.push(Pending {
                     comm,
                     to,
-                    ack: Ctrl::Ack { conn, credits: CREDITS, addr: name },
+                    ack: Some(Ctrl::Ack { conn, credits: CREDITS, addr: name }),
                     deadline: Instant::now() + self.dev.peer_timeout,
                 });
             }
@@ -439,28 +614,52 @@ impl ListenComm {
                 }
             }
         })?;
-        // Send the Acks that are due.
-        let mut i = 0;
-        while i < st.pending.len() {
-            let p = &st.pending[i];
-            let sent = send_ctrl(&lock(&p.comm.inner).ep, p.to, &p.ack);
-            match sent {
-                Ok(()) => {
-                    let p = st.pending.swap_remove(i);
-                    st.ready.push_back(p.comm);
-                }
-                Err(e) if e.is_again() && Instant::now() < p.deadline => {
-                    // Let the new endpoint make progress on its connection.
-                    let _ = lock(&p.comm.inner).progress();
-                    i += 1;
-                }
-                Err(e) => {
-                    tracing::warn!("accept: could not answer a connecting peer, dropped it: {e}");
-                    st.pending.swap_remove(i);
+        // Send the Acks that are due; hand out comms whose peer answered.
+        let now = Instant::now();
+        for i in 0..st.pending.len() {
+            let comm = Arc::clone(&st.pending[i].comm);
+            let mut guard = lock(&comm.inner);
+            let rs = &mut *guard;
+            let p = &mut st.pending[i];
+            if let Some(ack) = &p.ack {
+                match send_ctrl(&rs.ep, p.to, ack) {
+                    Ok(()) => p.ack = None,
+                    Err(e) if e.is_again() => {}
+                    Err(e) => {
+                        st.pending.swap_remove(i);
+                        return Err(Error::remote(format!(
+                            "accept: cannot answer the connecting peer {}: {e}",
+                            rs.link.name
+                        )));
+                    }
                 }
             }
+            // Let the new endpoint make progress on its connection.
+            rs.progress()?;
+            let answered = p.ack.is_none();
+            if answered && rs.link.heard {
+                drop(guard);
+                st.pending.swap_remove(i);
+                return Ok(Some(comm));
+            }
+            if now > p.deadline {
+                let stage = if answered {
+                    "never confirmed the connection"
+                } else {
+                    "could not be answered"
+                };
+                let msg = format!(
+                    "accept: the connecting peer {} {stage} within {:.1} s (WEFT_PEER_TIMEOUT): its process died or hangs",
+                    rs.link.name,
+                    self.dev.peer_timeout.as_secs_f64()
+                );
+                drop(guard);
+                st.pending.swap_remove(i);
+                tracing::warn!("{msg}");
+                return Err(Error::remote(msg));
+            }
         }
-        Ok(st.ready.pop_front())
+        Ok(None)
     }
 }
 
@@ -490,7 +689,7 @@ struct SendState {
     listener: FiAddr,
     listener_nonce: u64,
     conn: u64,
-    peer: FiAddr,
+    link: Link,
     credits: u32,
     max_credits: u32,
     deadline: Instant,
@@ -525,7 +724,7 @@ impl SendComm {
                 listener,
                 listener_nonce: handle.nonce,
                 conn: nonce(),
-                peer: fi::FI_ADDR_NOTAVAIL,
+                link: Link::new(),
                 credits: 0,
                 max_credits: 0,
                 deadline,
@@ -590,6 +789,7 @@ impl SendComm {
                 "isend on a comm whose connect has not finished",
             ));
         }
+        st.link.check()?;
         if st.credits == 0 {
             st.progress()?;
             if st.credits == 0 {
@@ -625,13 +825,13 @@ impl SendComm {
             // SAFETY: NCCL guarantees `data..data+size` is readable (checked
             // against its registration by the caller); fi_tinject copies it now.
             let bytes = unsafe { std::slice::from_raw_parts(data, size) };
-            st.ep.tinject(bytes, st.peer, tag)
+            st.ep.tinject(bytes, st.link.addr, tag)
         } else {
             // SAFETY: the buffer stays valid until NCCL sees the request done,
             // which is after its completion; ptr is this request's slot.
             unsafe {
                 st.ep
-                    .tsend(data, size, desc, st.peer, tag, ptr.as_ptr().cast())
+                    .tsend(data, size, desc, st.link.addr, tag, ptr.as_ptr().cast())
             }
         };
         match posted {
@@ -655,8 +855,29 @@ impl SendComm {
     pub fn test(&self, req: *const u8) -> Result<Option<Done>> {
         let mut st = lock(&self.inner);
         let i = test_request(&mut st.reqs, req, "send")?;
-        st.progress()?;
-        finish(&mut st.reqs, i, "peer")
+        if st.link.dead.is_none() {
+            st.progress()?;
+        }
+        let st = &mut *st;
+        finish(&mut st.reqs, i, &st.link)
+    }
+
+    /// One heartbeat tick (keeper thread).
+    pub fn keepalive(&self, now: Instant) {
+        keepalive(&mut *lock(&self.inner), self.dev.peer_timeout, now);
+    }
+}
+
+impl Side for SendState {
+    const WHAT: &'static str = "send comm to";
+    fn linked(&self) -> bool {
+        self.phase == Phase::Ready
+    }
+    fn parts(&mut self) -> (&Endpoint, &mut Pool<Request>, &mut Link) {
+        (&self.ep, &mut self.reqs, &mut self.link)
+    }
+    fn progress(&mut self) -> Result<()> {
+        SendState::progress(self)
     }
 }
 
@@ -664,7 +885,10 @@ impl SendState {
     fn progress(&mut self) -> Result<()> {
         let cq = Arc::clone(self.ep.cq());
         drain(&cq, |ev| match ev {
-            Event::Done(c) if c.flags & u64::from(fi::FI_RECV) != 0 => self.on_ctrl(c),
+            Event::Done(c) if c.flags & u64::from(fi::FI_RECV) != 0 => {
+                self.link.heard = true;
+                self.on_ctrl(c)
+            }
             Event::Done(c) => complete(&mut self.reqs, c.op_context, Ok(None), "send comm"),
             Event::Failed(e) => match self.ctrl.find(e.context) {
                 Some(i) => {
@@ -694,17 +918,30 @@ impl SendState {
                 // A peer can never grant more than it announced.
                 self.credits = self.credits.saturating_add(count).min(self.max_credits);
             }
+            Ok(Ctrl::Alive) => {}
             Ok(Ctrl::Ack {
                 conn,
                 credits,
                 addr,
             }) if self.phase == Phase::AwaitAck && conn == self.conn => {
-                self.peer = self.ep.av().insert(&addr).map_err(|e| {
+                let to = self.link.connect(&self.ep, &addr).map_err(|e| {
                     Error::remote(format!("the accepting peer sent an unusable address: {e}"))
                 })?;
                 self.max_credits = credits.clamp(1, CREDITS);
                 self.credits = self.max_credits;
                 self.phase = Phase::Ready;
+                // The first Alive confirms the connection to `accept`; when
+                // the provider is busy the keeper sends it on its next tick.
+                match send_ctrl(&self.ep, to, &Ctrl::Alive) {
+                    Ok(()) => self.link.last_said = Some(Instant::now()),
+                    Err(e) if e.is_again() => {}
+                    Err(e) => {
+                        return Err(Error::remote(format!(
+                            "connect: cannot reach the accepting peer {}: {e}",
+                            self.link.name
+                        )))
+                    }
+                }
             }
             Ok(other) => tracing::warn!("send comm: ignored unexpected control message {other:?}"),
             Err(e) => tracing::warn!("send comm: ignored a bad control message: {e}"),
@@ -722,7 +959,7 @@ fn test_request(reqs: &mut Pool<Request>, req: *const u8, what: &str) -> Result<
 
 /// Completes request `i` if it is done: frees it and returns its sizes or error.
 /// `i` was validated by `test_request`; progress never frees a request.
-fn finish(reqs: &mut Pool<Request>, i: u32, peer: &str) -> Result<Option<Done>> {
+fn finish(reqs: &mut Pool<Request>, i: u32, link: &Link) -> Result<Option<Done>> {
     let r = *reqs
         .get_mut(i)
         .ok_or_else(|| Error::internal("test: the request was freed during progress"))?;
@@ -732,7 +969,7 @@ fn finish(reqs: &mut Pool<Request>, i: u32, peer: &str) -> Result<Option<Done>> 
     reqs.remove(i);
     if let Some(e) = r.err {
         let cap = r.bufs[usize::from(e.sub) % MAX_RECVS].size;
-        return Err(req_error(r.kind, e, cap, peer));
+        return Err(req_error(r.kind, e, cap, link));
     }
     Ok(Some(Done {
         n: usize::from(r.n),
@@ -749,9 +986,11 @@ pub struct RecvComm {
 }
 
 struct RecvState {
+    // Field order is drop order: the endpoint closes before its buffers go.
     ep: Endpoint,
+    ctrl: CtrlBufs,
     reqs: Pool<Request>,
-    peer: FiAddr,
+    link: Link,
     /// Sub-receives not yet posted (FI_EAGAIN), in order.
     to_post: VecDeque<(u32, u8)>,
     owed: u32,
@@ -766,13 +1005,15 @@ impl std::fmt::Debug for RecvComm {
 impl RecvComm {
     fn open(dev: Arc<DeviceState>) -> Result<Self> {
         let ep = open_endpoint(&dev)?;
+        let ctrl = CtrlBufs::new(&dev, &ep)?;
         let reqs = Pool::new(MAX_REQUESTS).map_err(|e| Error::system(e.to_string()))?;
         Ok(Self {
             dev,
             inner: Mutex::new(RecvState {
                 ep,
+                ctrl,
                 reqs,
-                peer: fi::FI_ADDR_NOTAVAIL,
+                link: Link::new(),
                 to_post: VecDeque::with_capacity(MAX_REQUESTS * MAX_RECVS),
                 owed: 0,
             }),
@@ -797,6 +1038,7 @@ impl RecvComm {
             )));
         }
         let mut st = lock(&self.inner);
+        st.link.check()?;
         let mut req = Request {
             kind: Kind::Recv,
             n: bufs.len() as u8,
@@ -822,8 +1064,29 @@ impl RecvComm {
     pub fn test(&self, req: *const u8) -> Result<Option<Done>> {
         let mut st = lock(&self.inner);
         let i = test_request(&mut st.reqs, req, "receive")?;
-        st.progress()?;
-        finish(&mut st.reqs, i, "peer")
+        if st.link.dead.is_none() {
+            st.progress()?;
+        }
+        let st = &mut *st;
+        finish(&mut st.reqs, i, &st.link)
+    }
+
+    /// One heartbeat tick (keeper thread).
+    pub fn keepalive(&self, now: Instant) {
+        keepalive(&mut *lock(&self.inner), self.dev.peer_timeout, now);
+    }
+}
+
+impl Side for RecvState {
+    const WHAT: &'static str = "receive comm from";
+    fn linked(&self) -> bool {
+        self.link.addr != fi::FI_ADDR_NOTAVAIL
+    }
+    fn parts(&mut self) -> (&Endpoint, &mut Pool<Request>, &mut Link) {
+        (&self.ep, &mut self.reqs, &mut self.link)
+    }
+    fn progress(&mut self) -> Result<()> {
+        RecvState::progress(self)
     }
 }
 
@@ -847,7 +1110,7 @@ impl RecvState {
                     b.data,
                     b.size,
                     b.desc,
-                    self.peer,
+                    self.link.addr,
                     u64::from(b.tag as u32),
                     0,
                     ctx,
@@ -866,27 +1129,38 @@ impl RecvState {
 
     fn progress(&mut self) -> Result<()> {
         let cq = Arc::clone(self.ep.cq());
-        drain(&cq, |ev| {
-            // Every matched message, delivered or failed, frees a credit.
-            self.owed += 1;
-            match ev {
-                Event::Done(c) => complete(
+        drain(&cq, |ev| match ev {
+            Event::Done(c) => {
+                self.link.heard = true;
+                if let Some(i) = self.ctrl.find(c.op_context) {
+                    return self.on_ctrl(i, c.len);
+                }
+                // Every matched message, delivered or failed, frees a credit.
+                self.owed += 1;
+                complete(
                     &mut self.reqs,
                     c.op_context,
                     Ok(Some(c.len)),
                     "receive comm",
-                ),
-                Event::Failed(e) => complete(
+                )
+            }
+            Event::Failed(e) => {
+                if let Some(i) = self.ctrl.find(e.context) {
+                    tracing::warn!("receive comm: dropped a bad control message: {e}");
+                    return self.ctrl.post(&self.ep, i);
+                }
+                self.owed += 1;
+                complete(
                     &mut self.reqs,
                     e.context,
                     Err(completion_err(&e)),
                     "receive comm",
-                ),
+                )
             }
         })?;
         self.post_pending()?;
         if self.owed >= CREDIT_BATCH {
-            match send_ctrl(&self.ep, self.peer, &Ctrl::Credit { count: self.owed }) {
+            match send_ctrl(&self.ep, self.link.addr, &Ctrl::Credit { count: self.owed }) {
                 Ok(()) => self.owed = 0,
                 Err(e) if e.is_again() => {}
                 Err(e) => {
@@ -895,6 +1169,20 @@ impl RecvState {
                     )))
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// A control message from the sender: only `Alive` is expected.
+    fn on_ctrl(&mut self, i: usize, len: usize) -> Result<()> {
+        let msg = Ctrl::decode(self.ctrl.bytes(i, len));
+        self.ctrl.post(&self.ep, i)?;
+        match msg {
+            Ok(Ctrl::Alive) => {}
+            Ok(other) => {
+                tracing::warn!("receive comm: ignored unexpected control message {other:?}")
+            }
+            Err(e) => tracing::warn!("receive comm: ignored a bad control message: {e}"),
         }
         Ok(())
     }

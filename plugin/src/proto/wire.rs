@@ -183,6 +183,9 @@ pub enum Ctrl {
         /// Credits returned.
         count: u32,
     },
+    /// Either side -> the other: "I am alive". Sent every heartbeat period;
+    /// the connecting side's first one also completes the handshake.
+    Alive,
 }
 
 /// Why a control message was refused.
@@ -208,6 +211,7 @@ pub enum CtrlError {
 const KIND_CONN: u8 = 1;
 const KIND_ACK: u8 = 2;
 const KIND_CREDIT: u8 = 3;
+const KIND_ALIVE: u8 = 4;
 
 impl Ctrl {
     /// Encodes into `out`, returning the length used.
@@ -246,6 +250,12 @@ impl Ctrl {
                 out[6] = KIND_CREDIT;
                 out[7] = 0;
                 out[8..12].copy_from_slice(&count.to_le_bytes());
+                12
+            }
+            Ctrl::Alive => {
+                out[6] = KIND_ALIVE;
+                out[7] = 0;
+                out[8..12].fill(0);
                 12
             }
         }
@@ -288,6 +298,7 @@ impl Ctrl {
             KIND_CREDIT => Ok(Ctrl::Credit {
                 count: u32::from_le_bytes(buf[8..12].try_into().expect("4 bytes")),
             }),
+            KIND_ALIVE => Ok(Ctrl::Alive),
             KIND_CONN | KIND_ACK => Err(CtrlError::Truncated(buf.len())),
             k => Err(CtrlError::Kind(k)),
         }
@@ -377,6 +388,7 @@ mod tests {
                 addr: vec![7; 40],
             },
             Ctrl::Credit { count: 64 },
+            Ctrl::Alive,
         ] {
             let n = m.encode(&mut b);
             assert_eq!(Ctrl::decode(&b[..n]).unwrap(), m);

@@ -5,7 +5,10 @@
 //! init <provider>             -> ok
 //! listen                      -> handle <hex>
 //! accept                      -> ok
+//! close-listen                -> ok
 //! connect <hex>               -> ok
+//! half-connect <hex>          -> ok    (speaks the handshake by hand: sends Conn, reads
+//!                                       the Ack, never confirms; stays that way)
 //! send <count> <size> <tag>   -> ok <bytes>    (window of 8, content from host::pattern)
 //! recv <count> <size> <tag>   -> ok <bytes>    (verified)
 //! poll <tag> <iterations>     -> ok            (progress with one receive posted for <tag>, never matched)
@@ -35,6 +38,9 @@ fn rss_kb() -> u64 {
 }
 
 struct Peer {
+    provider: String,
+    /// What `half-connect` keeps open.
+    half: Option<Box<dyn std::any::Any>>,
     ctx: *mut c_void,
     listen: *mut c_void,
     send: *mut c_void,
@@ -92,6 +98,65 @@ fn recv(comm: *mut c_void, count: u64, size: usize, tag: i32) -> Result<u64, Str
     Ok(bytes)
 }
 
+/// A connecting side that stops half way: it sends a valid Conn to the
+/// listener of `handle` and waits for the Ack, but never says `Alive`. What
+/// it returns keeps its endpoint open.
+fn half_connect(provider: &str, handle: &[u8; 128]) -> Result<Box<dyn std::any::Any>, String> {
+    use weft::fabric::{Av, Cq, Domain, Endpoint, Mr, ACCESS_ALL};
+    use weft::proto::sendrecv::CTRL_TAG;
+    use weft::proto::wire::{Ctrl, ListenHandle, CTRL_MAX};
+    let e = |e: weft::fabric::FiError| e.to_string();
+    let devs =
+        weft::device::discover(&weft_tests::loopback(provider)).map_err(|e| e.to_string())?;
+    let domain = Domain::open(devs[0].info.as_ref()).map_err(e)?;
+    let cq = Cq::open(&domain, 0).map_err(e)?;
+    let av = Av::open(&domain).map_err(e)?;
+    let ep = Endpoint::open(&domain, &cq, &av).map_err(e)?;
+    let h = ListenHandle::decode(handle).map_err(|e| e.to_string())?;
+    let listener = ep.av().insert(&h.addr).map_err(e)?;
+    let buf = vec![0u8; CTRL_MAX];
+    // SAFETY: `buf` is live and unmoved for as long as the registration,
+    // which is returned with it.
+    let mr = unsafe { Mr::register(&domain, buf.as_ptr(), buf.len(), ACCESS_ALL) }.map_err(e)?;
+    // SAFETY: the buffer and its registration are returned together with
+    // the endpoint and outlive it (the process is killed with them open).
+    unsafe {
+        ep.trecv(
+            buf.as_ptr().cast_mut(),
+            CTRL_MAX,
+            mr.desc(),
+            libfabric_sys::FI_ADDR_UNSPEC,
+            CTRL_TAG,
+            0,
+            std::ptr::null_mut(),
+        )
+    }
+    .map_err(e)?;
+    let mut msg = [0u8; CTRL_MAX];
+    let n = Ctrl::Conn {
+        listener: h.nonce,
+        conn: 42,
+        addr: ep.name().map_err(e)?,
+    }
+    .encode(&mut msg);
+    let mut c = [weft::fabric::Completion::default(); 4];
+    let mut sent = false;
+    weft_tests::poll_until("the listener's Ack", || {
+        if !sent {
+            match ep.tinject(&msg[..n], listener, CTRL_TAG) {
+                Ok(()) => sent = true,
+                Err(err) if err.is_again() => {}
+                Err(err) => panic!("half-connect: {err}"),
+            }
+        }
+        (cq.read(&mut c).expect("half-connect cq") > 0).then_some(())
+    });
+    match Ctrl::decode(&buf[..c[0].len]) {
+        Ok(Ctrl::Ack { conn: 42, .. }) => Ok(Box::new((ep, mr, buf, av, cq, domain))),
+        other => Err(format!("half-connect: expected the Ack, got {other:?}")),
+    }
+}
+
 impl Peer {
     fn run(&mut self, line: &str) -> Result<Option<String>, String> {
         let w: Vec<&str> = line.split_whitespace().collect();
@@ -103,7 +168,8 @@ impl Peer {
         };
         Ok(Some(match w.first().copied() {
             Some("init") => {
-                self.ctx = host::init(w.get(1).ok_or("init needs a provider")?);
+                self.provider = w.get(1).ok_or("init needs a provider")?.to_string();
+                self.ctx = host::init(&self.provider);
                 "ok".into()
             }
             Some("listen") => {
@@ -117,9 +183,19 @@ impl Peer {
                 self.listen = std::ptr::null_mut();
                 "ok".into()
             }
+            Some("close-listen") => {
+                core::close_listen(self.listen).map_err(|e| e.to_string())?;
+                self.listen = std::ptr::null_mut();
+                "ok".into()
+            }
             Some("connect") => {
                 let mut h = unhex(w.get(1).ok_or("connect needs a handle")?)?;
                 self.send = host::connect(self.ctx, &mut h);
+                "ok".into()
+            }
+            Some("half-connect") => {
+                let h = unhex(w.get(1).ok_or("half-connect needs a handle")?)?;
+                self.half = Some(half_connect(&self.provider, &h)?);
                 "ok".into()
             }
             Some("send") => format!(
@@ -152,6 +228,8 @@ impl Peer {
 
 fn main() {
     let mut peer = Peer {
+        provider: String::new(),
+        half: None,
         ctx: std::ptr::null_mut(),
         listen: std::ptr::null_mut(),
         send: std::ptr::null_mut(),
