@@ -56,7 +56,7 @@ pub const PARAMS: &[Param] = &[
         name: "WEFT_PEER_TIMEOUT",
         default: "30",
         accepted: "seconds, decimals allowed, 0.1 ..= 3600",
-        meaning: "how long connect waits for the listener's answer and accept for the connecting peer's, before an error (dead-peer detection on the data path is not in this build)",
+        meaning: "how long a peer may stay silent before it is declared dead: connect and accept give up, and every request in flight on a comm to it fails (remote error). Both ends say Alive every timeout/8 from a background thread, so an idle live peer never times out",
     },
 ];
 

@@ -69,3 +69,24 @@ fn nccl_and_rccl_names_are_laid_out_beside_the_cdylib() {
         assert_eq!(target, real, "{name} must be the Weft plugin");
     }
 }
+
+/// NCCL >= 2.28 dlcloses the plugin after the last finalize; Weft is linked
+/// `-z nodelete` so it stays resident and starts afresh on the next init
+/// (plugin/build.rs says why; tests/tests/reload.rs runs the cycle).
+#[test]
+fn plugin_is_linked_nodelete() {
+    let so = plugin();
+    let out = Command::new("readelf")
+        .arg("-d")
+        .arg(&so)
+        .output()
+        .expect("run readelf (binutils)");
+    assert!(out.status.success(), "readelf failed: {out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.lines()
+            .any(|l| l.contains("FLAGS_1") && l.contains("NODELETE")),
+        "{} lacks DF_1_NODELETE:\n{text}",
+        so.display()
+    );
+}

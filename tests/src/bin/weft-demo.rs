@@ -5,6 +5,11 @@
 //! whether every byte was verified, and the bandwidth.
 //!
 //! Usage: weft-demo [--provider NAME]   (default tcp, pinned to lo; or shm)
+//!
+//! Also: `--reload V [--cycles N] [--messages M]` loads table V, runs init ->
+//! transfer -> finalize -> dlclose N times (NCCL >= 2.28 unloads plugins), and
+//! checks after each dlclose that no Weft thread is left; `--serve` and
+//! `--cell` are the other process of the demo and of the test matrix.
 
 use std::ffi::{c_int, c_void};
 use std::io::Write;
@@ -106,15 +111,15 @@ fn serve(version: u32, provider: &str, messages: usize) -> Result<(), String> {
 }
 
 /// Sends through table `version` to a child process; returns seconds taken.
-fn run(version: u32, provider: &str) -> Result<f64, String> {
-    const MESSAGES: usize = MESSAGES_DEFAULT;
+/// The plugin is opened here and closed (dlclose) on return.
+fn run(version: u32, provider: &str, messages: usize) -> Result<f64, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let server = Server::spawn(&exe, version, provider, MESSAGES)?;
+    let server = Server::spawn(&exe, version, provider, messages)?;
     let mut h = server.handle;
     configure(provider);
     let lib = emu::open();
     let n = emu::net(&lib, version);
-    let msgs: Vec<u8> = (0..MESSAGES as u64)
+    let msgs: Vec<u8> = (0..messages as u64)
         .flat_map(|i| pattern(i, TAG, SIZE))
         .collect();
     let mut ctx = std::ptr::null_mut();
@@ -138,7 +143,7 @@ fn run(version: u32, provider: &str) -> Result<f64, String> {
         )?;
         start = Instant::now();
         let mut inflight = std::collections::VecDeque::new();
-        for i in 0..MESSAGES {
+        for i in 0..messages {
             if inflight.len() == WINDOW {
                 wait_send(&*n, inflight.pop_front().expect("window"))?;
             }
@@ -166,7 +171,7 @@ fn run(version: u32, provider: &str) -> Result<f64, String> {
         }
     }
     let verdict = verdict?;
-    if verdict != format!("ok {MESSAGES} {}", MESSAGES * SIZE) {
+    if verdict != format!("ok {messages} {}", messages * SIZE) {
         return Err(format!("receiver: {verdict}"));
     }
     Ok(secs)
@@ -185,11 +190,50 @@ unsafe fn wait_send(n: &dyn Net, req: *mut c_void) -> Result<(), String> {
     })
 }
 
+/// Threads of this process with `name` (from /proc/self/task/*/comm).
+fn threads_named(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .filter(|c| c.trim() == name)
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// `--reload`: load, transfer, finalize and unload `cycles` times.
+fn reload(version: u32, provider: &str, cycles: usize, messages: usize) -> Result<(), String> {
+    let lib_name = emu::plugin_path()
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    for cycle in 1..=cycles {
+        let secs = run(version, provider, messages)?;
+        let keepers = threads_named(weft::core::keeper::THREAD_NAME);
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+        let resident = maps.contains(&lib_name);
+        println!(
+            "cycle {cycle}: v{version} {messages} x {} KiB verified in {secs:.2} s; after finalize + dlclose: {keepers} keeper thread(s), library {}",
+            SIZE / 1024,
+            if resident { "still mapped" } else { "unmapped" }
+        );
+        if keepers != 0 {
+            return Err(format!(
+                "cycle {cycle}: the keeper thread outlived the last finalize"
+            ));
+        }
+    }
+    println!("reloaded {cycles} times");
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut provider = "tcp".to_owned();
     let mut serve_version = None;
     let mut cell_version = None;
+    let mut reload_version = None;
+    let mut cycles = 3;
     let mut messages = MESSAGES_DEFAULT;
     let mut i = 0;
     while i < args.len() {
@@ -204,6 +248,14 @@ fn main() -> ExitCode {
             }
             "--messages" if i + 1 < args.len() => {
                 messages = args[i + 1].parse().unwrap_or(MESSAGES_DEFAULT);
+                i += 1;
+            }
+            "--reload" if i + 1 < args.len() => {
+                reload_version = args[i + 1].parse::<u32>().ok();
+                i += 1;
+            }
+            "--cycles" if i + 1 < args.len() => {
+                cycles = args[i + 1].parse().unwrap_or(3);
                 i += 1;
             }
             "--cell" if i + 1 < args.len() => {
@@ -229,6 +281,15 @@ fn main() -> ExitCode {
                 println!("checks {n}");
                 ExitCode::SUCCESS
             }
+            Err(e) => {
+                println!("failed {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    if let Some(v) = reload_version {
+        return match reload(v, &provider, cycles, messages) {
+            Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 println!("failed {e}");
                 ExitCode::FAILURE
@@ -266,7 +327,7 @@ fn main() -> ExitCode {
     );
     let mut failed = false;
     for version in 5..=12 {
-        match run(version, &provider) {
+        match run(version, &provider, MESSAGES_DEFAULT) {
             Ok(secs) => println!(
                 "{:<8} {:<12} {:>8} {:>12} {:>9} {:>9.0} MB/s",
                 format!("v{version}"),
