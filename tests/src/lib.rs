@@ -5,6 +5,7 @@
 pub mod emu;
 pub mod host;
 pub mod matrix;
+pub mod micro;
 pub mod peer;
 
 use std::time::{Duration, Instant};

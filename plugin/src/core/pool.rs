@@ -74,10 +74,14 @@ impl<T: Copy> Pool<T> {
 
     /// The slot whose address is `p`, whether live or not.
     pub fn index_of(&self, p: *const u8) -> Option<u32> {
+        // One block: slots are contiguous, `elem_size` apart.
         if !self.range.contains(&(p as usize)) {
             return None;
         }
-        self.list.index_of(p)
+        let off = p as usize - self.range.start;
+        let stride = self.list.elem_size();
+        let i = off / stride;
+        (i * stride == off).then_some(i as u32)
     }
 
     /// The address of slot `i`.
@@ -99,9 +103,20 @@ impl<T: Copy> Pool<T> {
     /// Frees a live slot, returning its value.
     pub fn remove(&mut self, i: u32) -> Option<T> {
         let v = *self.get_mut(i)?;
+        self.release(i).then_some(v)
+    }
+
+    /// Frees a live slot without copying its value out; false if not live.
+    pub fn release(&mut self, i: u32) -> bool {
+        if !self.live.get(i as usize).copied().unwrap_or(false) {
+            return false;
+        }
+        let Some(e) = self.list.elem_at(i) else {
+            return false;
+        };
         self.live[i as usize] = false;
-        self.list.free(self.list.elem_at(i)?);
-        Some(v)
+        self.list.free(e);
+        true
     }
 
     /// Indices of live slots.
@@ -122,7 +137,7 @@ impl<T: Copy> Pool<T> {
     pub fn clear(&mut self) {
         let live: Vec<u32> = self.live().collect();
         for i in live {
-            self.remove(i);
+            self.release(i);
         }
     }
 }

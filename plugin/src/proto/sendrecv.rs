@@ -456,7 +456,9 @@ enum Event<'a> {
 }
 
 /// Reads `cq` until it is empty, handing every entry to `on`. Reading is
-/// also what drives progress for rxm and shm.
+/// also what drives progress for rxm and shm, and on tcp every read is a
+/// `poll` system call: a read that returns fewer entries than asked for
+/// emptied the queue, so it is the last.
 fn drain(cq: &Cq, mut on: impl FnMut(Event<'_>) -> Result<()>) -> Result<()> {
     let mut c = [Completion::default(); CQ_BATCH];
     loop {
@@ -465,6 +467,9 @@ fn drain(cq: &Cq, mut on: impl FnMut(Event<'_>) -> Result<()>) -> Result<()> {
             Ok(n) => {
                 for comp in &c[..n] {
                     on(Event::Done(comp))?;
+                }
+                if n < c.len() {
+                    return Ok(());
                 }
             }
             Err(CqError::Completion(e)) => on(Event::Failed(e))?,
@@ -840,7 +845,7 @@ impl SendComm {
                 Ok(Some(ptr.as_ptr().cast()))
             }
             Err(e) => {
-                st.reqs.remove(idx);
+                st.reqs.release(idx);
                 if e.is_again() {
                     st.progress()?;
                     Ok(None)
@@ -855,7 +860,8 @@ impl SendComm {
     pub fn test(&self, req: *const u8) -> Result<Option<Done>> {
         let mut st = lock(&self.inner);
         let i = test_request(&mut st.reqs, req, "send")?;
-        if st.link.dead.is_none() {
+        // An injected send is done when posted: no need to read the CQ.
+        if st.link.dead.is_none() && st.reqs.get_mut(i).is_some_and(|r| r.remaining > 0) {
             st.progress()?;
         }
         let st = &mut *st;
@@ -960,21 +966,27 @@ fn test_request(reqs: &mut Pool<Request>, req: *const u8, what: &str) -> Result<
 /// Completes request `i` if it is done: frees it and returns its sizes or error.
 /// `i` was validated by `test_request`; progress never frees a request.
 fn finish(reqs: &mut Pool<Request>, i: u32, link: &Link) -> Result<Option<Done>> {
-    let r = *reqs
+    let r = reqs
         .get_mut(i)
         .ok_or_else(|| Error::internal("test: the request was freed during progress"))?;
     if r.remaining > 0 {
         return Ok(None);
     }
-    reqs.remove(i);
-    if let Some(e) = r.err {
-        let cap = r.bufs[usize::from(e.sub) % MAX_RECVS].size;
-        return Err(req_error(r.kind, e, cap, link));
+    // Copy out only what the answer needs: a request is a few hundred bytes.
+    let (kind, err, done) = (
+        r.kind,
+        r.err,
+        Done {
+            n: usize::from(r.n),
+            sizes: r.sizes,
+        },
+    );
+    let cap = err.map_or(0, |e| r.bufs[usize::from(e.sub) % MAX_RECVS].size);
+    reqs.release(i);
+    match err {
+        Some(e) => Err(req_error(kind, e, cap, link)),
+        None => Ok(Some(done)),
     }
-    Ok(Some(Done {
-        n: usize::from(r.n),
-        sizes: r.sizes,
-    }))
 }
 
 // ---------------------------------------------------------------- recv
@@ -1055,8 +1067,9 @@ impl RecvComm {
         for sub in 0..bufs.len() as u8 {
             st.to_post.push_back((idx, sub));
         }
+        // No progress here: NCCL tests the request next, and every read of
+        // the CQ costs a system call on tcp.
         st.post_pending()?;
-        st.progress()?;
         Ok(Some(ptr.as_ptr().cast()))
     }
 
@@ -1064,7 +1077,8 @@ impl RecvComm {
     pub fn test(&self, req: *const u8) -> Result<Option<Done>> {
         let mut st = lock(&self.inner);
         let i = test_request(&mut st.reqs, req, "receive")?;
-        if st.link.dead.is_none() {
+        // A receive completed by an earlier read needs no further one.
+        if st.link.dead.is_none() && st.reqs.get_mut(i).is_some_and(|r| r.remaining > 0) {
             st.progress()?;
         }
         let st = &mut *st;
@@ -1128,34 +1142,31 @@ impl RecvState {
     }
 
     fn progress(&mut self) -> Result<()> {
-        let cq = Arc::clone(self.ep.cq());
-        drain(&cq, |ev| match ev {
+        let Self {
+            ep,
+            ctrl,
+            reqs,
+            link,
+            owed,
+            ..
+        } = self;
+        drain(ep.cq(), |ev| match ev {
             Event::Done(c) => {
-                self.link.heard = true;
-                if let Some(i) = self.ctrl.find(c.op_context) {
-                    return self.on_ctrl(i, c.len);
+                link.heard = true;
+                if let Some(i) = ctrl.find(c.op_context) {
+                    return recv_ctrl(ctrl, ep, i, c.len);
                 }
                 // Every matched message, delivered or failed, frees a credit.
-                self.owed += 1;
-                complete(
-                    &mut self.reqs,
-                    c.op_context,
-                    Ok(Some(c.len)),
-                    "receive comm",
-                )
+                *owed += 1;
+                complete(reqs, c.op_context, Ok(Some(c.len)), "receive comm")
             }
             Event::Failed(e) => {
-                if let Some(i) = self.ctrl.find(e.context) {
+                if let Some(i) = ctrl.find(e.context) {
                     tracing::warn!("receive comm: dropped a bad control message: {e}");
-                    return self.ctrl.post(&self.ep, i);
+                    return ctrl.post(ep, i);
                 }
-                self.owed += 1;
-                complete(
-                    &mut self.reqs,
-                    e.context,
-                    Err(completion_err(&e)),
-                    "receive comm",
-                )
+                *owed += 1;
+                complete(reqs, e.context, Err(completion_err(&e)), "receive comm")
             }
         })?;
         self.post_pending()?;
@@ -1172,18 +1183,16 @@ impl RecvState {
         }
         Ok(())
     }
+}
 
-    /// A control message from the sender: only `Alive` is expected.
-    fn on_ctrl(&mut self, i: usize, len: usize) -> Result<()> {
-        let msg = Ctrl::decode(self.ctrl.bytes(i, len));
-        self.ctrl.post(&self.ep, i)?;
-        match msg {
-            Ok(Ctrl::Alive) => {}
-            Ok(other) => {
-                tracing::warn!("receive comm: ignored unexpected control message {other:?}")
-            }
-            Err(e) => tracing::warn!("receive comm: ignored a bad control message: {e}"),
-        }
-        Ok(())
+/// A control message to a receive comm: only `Alive` is expected.
+fn recv_ctrl(ctrl: &mut CtrlBufs, ep: &Endpoint, i: usize, len: usize) -> Result<()> {
+    let msg = Ctrl::decode(ctrl.bytes(i, len));
+    ctrl.post(ep, i)?;
+    match msg {
+        Ok(Ctrl::Alive) => {}
+        Ok(other) => tracing::warn!("receive comm: ignored unexpected control message {other:?}"),
+        Err(e) => tracing::warn!("receive comm: ignored a bad control message: {e}"),
     }
+    Ok(())
 }

@@ -1,0 +1,119 @@
+//! The benchmark tools work and write what they promise. Nothing here checks
+//! a speed (the figures are read from `./weft bench`, never asserted): a tiny
+//! `weft-bench` run over shm must print the side-by-side table and write the
+//! CSV, JSON and PNG; `weft-bench --micro-only` must count instructions of
+//! every micro case under callgrind.
+
+use std::process::Command;
+
+const BENCH: &str = env!("CARGO_BIN_EXE_weft-bench");
+
+fn out_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("weft-bench-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn quick_run_writes_table_csv_json_and_png() {
+    let dir = out_dir("run");
+    let o = Command::new(BENCH)
+        .args([
+            "--quick",
+            "--reps",
+            "2",
+            "--providers",
+            "shm",
+            "--sizes",
+            "8,65536",
+        ])
+        .arg("--out")
+        .arg(&dir)
+        .output()
+        .expect("run weft-bench");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "weft-bench failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    println!("{stdout}");
+    for what in [
+        "unidirectional bandwidth",
+        "ping-pong latency",
+        "message rate at 8 B",
+        "weft/raw",
+        "load average",
+    ] {
+        assert!(stdout.contains(what), "the table lacks {what:?}");
+    }
+    let csv = std::fs::read_to_string(dir.join("bench.csv")).expect("bench.csv");
+    let rows: Vec<&str> = csv.lines().skip(1).collect();
+    for (test, size) in [
+        ("bw", 8),
+        ("bw", 65536),
+        ("rate", 8),
+        ("lat", 8),
+        ("lat", 65536),
+    ] {
+        for imp in ["raw", "weft"] {
+            let prefix = format!("shm,{test},{size},");
+            let row = rows
+                .iter()
+                .find(|r| r.starts_with(&prefix) && r.split(',').nth(4) == Some(imp))
+                .unwrap_or_else(|| panic!("no CSV row for {test} {size} {imp}:\n{csv}"));
+            let median: f64 = row.split(',').nth(6).unwrap().parse().unwrap();
+            assert!(median > 0.0 && median.is_finite(), "{row}");
+        }
+    }
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("bench.json")).expect("bench.json"))
+            .expect("bench.json parses");
+    let n = json["records"].as_array().expect("records").len();
+    assert!(n >= 10, "{n} records");
+    assert!(json["memory"][0]["server_hwm_kb"].as_u64().unwrap_or(0) > 0);
+    let png = std::fs::read(dir.join("bench.png")).expect("bench.png");
+    assert!(
+        png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 10_000,
+        "not a plot"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn micro_costs_are_counted_under_callgrind() {
+    let dir = out_dir("micro");
+    let o = Command::new(BENCH)
+        .args(["--quick", "--micro-only"])
+        .arg("--out")
+        .arg(&dir)
+        .output()
+        .expect("run weft-bench --micro-only");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "weft-bench --micro-only failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    println!("{stdout}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("bench.json")).expect("bench.json"))
+            .expect("bench.json parses");
+    let m = &json["micro_instructions_per_op"];
+    for case in [
+        "c-pair",
+        "weft-pair",
+        "c-burst",
+        "weft-burst",
+        "mr-hit",
+        "core-devices",
+        "v5-devices",
+        "v12-devices",
+    ] {
+        let v = m[case]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no count for {case}: {m}"));
+        assert!((1.0..100_000.0).contains(&v), "{case}: {v} instructions per op");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
