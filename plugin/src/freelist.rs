@@ -190,8 +190,14 @@ pub fn page_size() -> usize {
 struct Block<R> {
     base: NonNull<u8>,
     bytes: usize,
-    mr: Option<MrDesc>,
     _reg: Option<R>,
+}
+
+/// What an element is, precomputed at growth so `alloc` is one lookup.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    ptr: NonNull<u8>,
+    mr: Option<MrDesc>,
 }
 
 #[cfg(debug_assertions)]
@@ -224,6 +230,9 @@ pub struct Freelist<S: MemorySource, R: Registrar = NoRegistration> {
     max_elems: usize,
     capacity: usize,
     blocks: Vec<Block<R::Registration>>,
+    /// Every element's buffer and registration, by index (metadata kept
+    /// apart from the buffers, which may be device memory).
+    slots: Vec<Slot>,
     free: Vec<u32>,
     #[cfg(debug_assertions)]
     state: Vec<State>,
@@ -272,6 +281,7 @@ impl<S: MemorySource, R: Registrar> Freelist<S, R> {
             max_elems: p.max_elems,
             capacity: 0,
             blocks: Vec::new(),
+            slots: Vec::new(),
             free: Vec::new(),
             #[cfg(debug_assertions)]
             state: Vec::new(),
@@ -310,6 +320,7 @@ impl<S: MemorySource, R: Registrar> Freelist<S, R> {
             why: e.to_string(),
         };
         self.blocks.try_reserve(1).map_err(reserve)?;
+        self.slots.try_reserve(n).map_err(reserve)?;
         self.free
             .try_reserve(cap + n - self.free.len())
             .map_err(reserve)?;
@@ -339,7 +350,6 @@ impl<S: MemorySource, R: Registrar> Freelist<S, R> {
         self.blocks.push(Block {
             base,
             bytes,
-            mr,
             _reg: reg,
         });
         // LIFO: push in reverse so the lowest address is handed out first.
@@ -348,6 +358,11 @@ impl<S: MemorySource, R: Registrar> Freelist<S, R> {
             .and_then(|b| b.checked_mul(u32::try_from(self.per_block).ok()?))
             .expect("max_elems fits u32");
         let count = u32::try_from(n).expect("max_elems fits u32");
+        self.slots.extend((0..n).map(|k| Slot {
+            // SAFETY: k < n elements of `stride` bytes fit in the block.
+            ptr: unsafe { base.add(k * self.stride) },
+            mr,
+        }));
         self.free.extend((first..first + count).rev());
         self.capacity += n;
         #[cfg(debug_assertions)]
@@ -391,14 +406,10 @@ impl<S: MemorySource, R: Registrar> Freelist<S, R> {
 
     #[inline]
     fn elem(&self, index: u32) -> Elem {
-        let i = index as usize;
-        let b = &self.blocks[i / self.per_block];
-        // SAFETY: the offset stays inside the block (i % per_block < elements
-        // of this block, each `stride` bytes).
-        let ptr = unsafe { b.base.add((i % self.per_block) * self.stride) };
+        let s = self.slots[index as usize];
         Elem {
-            ptr,
-            mr: b.mr,
+            ptr: s.ptr,
+            mr: s.mr,
             index,
         }
     }
@@ -406,10 +417,8 @@ impl<S: MemorySource, R: Registrar> Freelist<S, R> {
     /// The element at `index` as it was handed out (for callers that keep
     /// only indices). `None` if the index is not in the list.
     pub fn elem_at(&self, index: u32) -> Option<Elem> {
-        let i = index as usize;
-        (i / self.per_block < self.blocks.len()
-            && i % self.per_block < self.block_len(i / self.per_block))
-        .then(|| self.elem(index))
+        // Only the last block may be short, so indices are 0..capacity.
+        ((index as usize) < self.slots.len()).then(|| self.elem(index))
     }
 
     /// Elements in block `b` (all but the last are full).

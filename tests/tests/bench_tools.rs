@@ -113,7 +113,10 @@ fn micro_costs_are_counted_under_callgrind() {
         let v = m[case]
             .as_f64()
             .unwrap_or_else(|| panic!("no count for {case}: {m}"));
-        assert!((1.0..100_000.0).contains(&v), "{case}: {v} instructions per op");
+        assert!(
+            (1.0..100_000.0).contains(&v),
+            "{case}: {v} instructions per op"
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -68,6 +68,13 @@ impl<T> Registry<T> {
             .get(&(p as usize))
             .cloned()
     }
+    /// Runs `f` on the live object at `p` under the registry's read lock,
+    /// without taking a reference (the data path's way: no reference-count
+    /// traffic per call). `f` must not write to this registry.
+    pub fn with<R>(&self, p: *const c_void, f: impl FnOnce(&T) -> R) -> Option<R> {
+        let map = self.map.read().unwrap_or_else(|e| e.into_inner());
+        map.get(&(p as usize)).map(|v| f(v))
+    }
     /// Forgets and returns the object at `p`.
     pub fn remove(&self, p: *const c_void) -> Option<Arc<T>> {
         self.map
@@ -123,6 +130,14 @@ impl<T> RangeRegistry<T> {
         let map = self.map.read().unwrap_or_else(|e| e.into_inner());
         let (_, (end, owner)) = map.range(..=a).next_back()?;
         (a < *end).then(|| Arc::clone(owner))
+    }
+    /// Runs `f` on the owner of the range containing `p`, under the read
+    /// lock (see [`Registry::with`]).
+    pub fn with<R>(&self, p: *const c_void, f: impl FnOnce(&T) -> R) -> Option<R> {
+        let a = p as usize;
+        let map = self.map.read().unwrap_or_else(|e| e.into_inner());
+        let (_, (end, owner)) = map.range(..=a).next_back()?;
+        (a < *end).then(|| f(owner))
     }
     /// Forgets the range starting at `start`.
     pub fn remove(&self, start: usize) {

@@ -412,23 +412,28 @@ fn desc_for(
             "{call}: buffer {data:p} comes without a memory handle (NCCL registers every buffer it passes)"
         )));
     }
-    let h = REG.mr.get(mh).ok_or_else(|| {
-        Error::internal(format!("{call}: {mh:p} is not a live Weft memory handle"))
-    })?;
-    if h.dev != dev {
-        return Err(Error::internal(format!(
-            "{call}: memory handle registered on device {} used on device {dev}",
-            h.dev
-        )));
-    }
-    let r = &h.region;
-    if !r.contains(data as usize, size) {
-        return Err(Error::internal(format!(
-            "{call}: buffer {data:p} + {size} bytes lies outside its registration {:#x?}",
-            r.range()
-        )));
-    }
-    Ok(r.desc().desc)
+    REG.mr
+        .with(mh, |h| {
+            if h.dev != dev {
+                return Err(Error::internal(format!(
+                    "{call}: memory handle registered on device {} used on device {dev}",
+                    h.dev
+                )));
+            }
+            let r = &h.region;
+            if !r.contains(data as usize, size) {
+                return Err(Error::internal(format!(
+                    "{call}: buffer {data:p} + {size} bytes lies outside its registration {:#x?}",
+                    r.range()
+                )));
+            }
+            Ok(r.desc().desc)
+        })
+        .unwrap_or_else(|| {
+            Err(Error::internal(format!(
+                "{call}: {mh:p} is not a live Weft memory handle"
+            )))
+        })
 }
 
 /// `isend(sendComm, data, size, tag, mhandle, phandle)`: `None` = retry later.
@@ -444,14 +449,19 @@ pub fn isend(
     mh: *mut c_void,
     phandle: *mut c_void,
 ) -> Result<Option<*mut c_void>> {
-    let c = REG
-        .send
-        .get(comm)
-        .ok_or_else(|| Error::internal(format!("isend: {comm:p} is not a live Weft send comm")))?;
-    let desc = desc_for(mh, c.dev.index, data.cast(), size, "isend")?;
-    // SAFETY: the buffer lies inside a live registration of NCCL's memory
-    // (checked just above), which NCCL keeps until the request completes.
-    unsafe { c.isend(data.cast(), size, tag, desc, phandle) }
+    REG.send
+        .with(comm, |c| {
+            let desc = desc_for(mh, c.dev.index, data.cast(), size, "isend")?;
+            // SAFETY: the buffer lies inside a live registration of NCCL's
+            // memory (checked just above), which NCCL keeps until the
+            // request completes.
+            unsafe { c.isend(data.cast(), size, tag, desc, phandle) }
+        })
+        .unwrap_or_else(|| {
+            Err(Error::internal(format!(
+                "isend: {comm:p} is not a live Weft send comm"
+            )))
+        })
 }
 
 /// One buffer of a grouped receive, as NCCL describes it.
@@ -471,16 +481,6 @@ pub struct RecvArg {
 
 /// `irecv(recvComm, n, ...)`: `None` = retry later.
 pub fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c_void>> {
-    let c = REG.recv.get(comm).ok_or_else(|| {
-        Error::internal(format!("irecv: {comm:p} is not a live Weft receive comm"))
-    })?;
-    let mut bufs = [RecvBuf {
-        data: std::ptr::null_mut(),
-        size: 0,
-        tag: 0,
-        desc: std::ptr::null_mut(),
-        phandle: std::ptr::null_mut(),
-    }; props::MAX_RECVS];
     if args.is_empty() || args.len() > props::MAX_RECVS {
         return Err(Error::internal(format!(
             "irecv with n = {}: must be 1 ..= {}",
@@ -488,17 +488,32 @@ pub fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c_void>>
             props::MAX_RECVS
         )));
     }
-    for (b, a) in bufs.iter_mut().zip(args) {
-        *b = RecvBuf {
-            data: a.data.cast(),
-            size: a.size,
-            tag: a.tag,
-            desc: desc_for(a.mhandle, c.dev.index, a.data.cast(), a.size, "irecv")?,
-            phandle: a.phandle,
-        };
-    }
-    // SAFETY: every buffer lies inside a live registration (checked above).
-    unsafe { c.irecv(&bufs[..args.len()]) }
+    REG.recv
+        .with(comm, |c| {
+            let mut bufs = [RecvBuf {
+                data: std::ptr::null_mut(),
+                size: 0,
+                tag: 0,
+                desc: std::ptr::null_mut(),
+                phandle: std::ptr::null_mut(),
+            }; props::MAX_RECVS];
+            for (b, a) in bufs.iter_mut().zip(args) {
+                *b = RecvBuf {
+                    data: a.data.cast(),
+                    size: a.size,
+                    tag: a.tag,
+                    desc: desc_for(a.mhandle, c.dev.index, a.data.cast(), a.size, "irecv")?,
+                    phandle: a.phandle,
+                };
+            }
+            // SAFETY: every buffer lies inside a live registration (checked above).
+            unsafe { c.irecv(&bufs[..args.len()]) }
+        })
+        .unwrap_or_else(|| {
+            Err(Error::internal(format!(
+                "irecv: {comm:p} is not a live Weft receive comm"
+            )))
+        })
 }
 
 /// `iflush(recvComm, ...)`: host memory needs no flush, so the request is
@@ -520,15 +535,16 @@ pub fn iflush(comm: *mut c_void, n: usize) -> Result<Option<*mut c_void>> {
 
 /// `test(request)`: `Some` once done (the request is then freed).
 pub fn test(req: *mut c_void) -> Result<Option<Done>> {
-    let owner = REG.req.find(req).ok_or_else(|| {
-        Error::internal(format!(
-            "test: {req:p} is not a Weft request (stale or foreign pointer)"
-        ))
-    })?;
-    match &*owner {
-        ReqOwner::Send(c) => c.test(req.cast()),
-        ReqOwner::Recv(c) => c.test(req.cast()),
-    }
+    REG.req
+        .with(req, |owner| match owner {
+            ReqOwner::Send(c) => c.test(req.cast()),
+            ReqOwner::Recv(c) => c.test(req.cast()),
+        })
+        .unwrap_or_else(|| {
+            Err(Error::internal(format!(
+                "test: {req:p} is not a Weft request (stale or foreign pointer)"
+            )))
+        })
 }
 
 /// `closeSend`.

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick]
-//!            [--sizes 8,64,...] [--impls raw,weft] [--out DIR]
+//!            [--sizes 8,64,...] [--impls raw,weft] [--raw-split] [--out DIR]
 //!            [--micro | --micro-only] [--no-plot]
 //! ```
 //!
@@ -109,28 +109,41 @@ fn wait_all(t: &mut dyn Transport, reqs: &[Req]) -> Res<()> {
     Ok(())
 }
 
-/// Raw libfabric: one RDM endpoint, tagged messages to one peer.
+/// Raw libfabric: one RDM endpoint, tagged messages to one peer; with
+/// `--raw-split`, a second endpoint for receiving (one per direction, as
+/// Weft's send and receive comms have).
 struct Raw {
     domain: Arc<Domain>,
     ep: Endpoint,
     peer: FiAddr,
+    /// The receiving endpoint and the peer's sending address, when split.
+    rx: Option<(Endpoint, FiAddr)>,
     /// Completion seen, by context index.
     done: Vec<bool>,
     free: Vec<usize>,
 }
 
 impl Raw {
-    fn open(provider: &str) -> Res<Self> {
+    fn open(provider: &str, split: bool) -> Res<Self> {
         let e = |e: weft::fabric::FiError| e.to_string();
         let devs =
             weft::device::discover(&weft_tests::loopback(provider)).map_err(|e| e.to_string())?;
         let domain = Domain::open(devs[0].info.as_ref()).map_err(e)?;
-        let cq = Cq::open(&domain, 0).map_err(e)?;
-        let av = Av::open(&domain).map_err(e)?;
-        let ep = Endpoint::open(&domain, &cq, &av).map_err(e)?;
+        let open = || -> Res<Endpoint> {
+            let cq = Cq::open(&domain, 0).map_err(e)?;
+            let av = Av::open(&domain).map_err(e)?;
+            Endpoint::open(&domain, &cq, &av).map_err(e)
+        };
+        let ep = open()?;
+        let rx = if split {
+            Some((open()?, libfabric_sys::FI_ADDR_NOTAVAIL))
+        } else {
+            None
+        };
         Ok(Self {
             domain,
             ep,
+            rx,
             peer: libfabric_sys::FI_ADDR_NOTAVAIL,
             done: Vec::new(),
             free: Vec::new(),
@@ -152,19 +165,18 @@ impl Raw {
 
     fn progress(&mut self) -> Res<()> {
         let mut c = [Completion::default(); 16];
-        loop {
-            let n = self
-                .ep
-                .cq()
-                .read(&mut c)
-                .map_err(|e| format!("raw cq: {e:?}"))?;
-            for comp in &c[..n] {
-                self.done[comp.op_context as usize - 1] = true;
-            }
-            if n < c.len() {
-                return Ok(());
+        for ep in std::iter::once(&self.ep).chain(self.rx.as_ref().map(|r| &r.0)) {
+            loop {
+                let n = ep.cq().read(&mut c).map_err(|e| format!("raw cq: {e:?}"))?;
+                for comp in &c[..n] {
+                    self.done[comp.op_context as usize - 1] = true;
+                }
+                if n < c.len() {
+                    break;
+                }
             }
         }
+        Ok(())
     }
 }
 
@@ -197,13 +209,17 @@ impl Transport for Raw {
         let i = self.slot();
         let desc = b.raw.as_ref().map_or(std::ptr::null_mut(), Mr::desc);
         loop {
+            let (ep, from) = self
+                .rx
+                .as_ref()
+                .map_or((&self.ep, self.peer), |r| (&r.0, r.1));
             // SAFETY: as for send.
             let r = unsafe {
-                self.ep.trecv(
+                ep.trecv(
                     b.ptr(off),
                     size,
                     desc,
-                    self.peer,
+                    from,
                     tag as u64,
                     0,
                     (i + 1) as *mut c_void,
@@ -394,12 +410,13 @@ fn unhex(s: &str) -> Res<Vec<u8>> {
 fn connect(
     provider: &str,
     version: u32,
+    split: bool,
     lib: &libloading::os::unix::Library,
     mut write: impl FnMut(&str) -> Res<()>,
     mut read: impl FnMut() -> Res<String>,
 ) -> Res<Side> {
     configure(provider);
-    let mut raw = Raw::open(provider)?;
+    let mut raw = Raw::open(provider, split)?;
     let net = emu::net(lib, version);
     let (mut ctx, mut l) = (std::ptr::null_mut(), std::ptr::null_mut());
     let mut h = [0u8; 128];
@@ -408,18 +425,28 @@ fn connect(
         rc("init", net.init(&mut ctx))?;
         rc("listen", net.listen(ctx, 0, h.as_mut_ptr().cast(), &mut l))?;
     }
+    // hello <sending endpoint> <Weft handle> <receiving endpoint>
     let me = raw.ep.name().map_err(|e| e.to_string())?;
-    write(&format!("hello {} {}", hex(&me), hex(&h)))?;
+    let me_rx = match &raw.rx {
+        Some((rx, _)) => rx.name().map_err(|e| e.to_string())?,
+        None => me.clone(),
+    };
+    write(&format!("hello {} {} {}", hex(&me), hex(&h), hex(&me_rx)))?;
     let hello = read()?;
     let w: Vec<&str> = hello.split_whitespace().collect();
-    let (Some(&"hello"), Some(a), Some(ph)) = (w.first(), w.get(1), w.get(2)) else {
+    let (Some(&"hello"), Some(a), Some(ph), Some(a_rx)) = (w.first(), w.get(1), w.get(2), w.get(3))
+    else {
         return Err(format!("peer said {hello:?}"));
     };
-    raw.peer = raw
-        .ep
-        .av()
-        .insert(&unhex(a)?)
-        .map_err(|e| format!("peer address: {e}"))?;
+    let insert = |ep: &Endpoint, name: &str| -> Res<FiAddr> {
+        ep.av()
+            .insert(&unhex(name)?)
+            .map_err(|e| format!("peer address: {e}"))
+    };
+    raw.peer = insert(&raw.ep, a_rx)?;
+    if let Some((rx, from)) = &mut raw.rx {
+        *from = insert(rx, a)?;
+    }
     let mut ph: [u8; 128] = unhex(ph)?
         .try_into()
         .map_err(|_| "peer handle is not 128 bytes")?;
@@ -491,6 +518,7 @@ fn lat_iters(size: usize, quick: bool) -> usize {
 
 /// The sender of a bandwidth round; returns the time from the first "go" to
 /// the last one (the receiver's word that everything arrived).
+#[inline(never)] // callgrind finds it by name
 fn bw_send(
     t: &mut dyn Transport,
     data: &Buf,
@@ -519,6 +547,7 @@ fn bw_send(
 }
 
 /// The receiver of a bandwidth round: a window of receives, then "go".
+#[inline(never)]
 fn bw_recv(
     t: &mut dyn Transport,
     data: &Buf,
@@ -544,6 +573,7 @@ fn bw_recv(
 }
 
 /// The pinging side of a latency round; returns the time of `iters` round trips.
+#[inline(never)]
 fn ping(t: &mut dyn Transport, data: &Buf, pong: &Buf, size: usize, iters: usize) -> Res<Duration> {
     let mut start = Instant::now();
     for i in 0..WARMUP + iters {
@@ -558,6 +588,7 @@ fn ping(t: &mut dyn Transport, data: &Buf, pong: &Buf, size: usize, iters: usize
 }
 
 /// The answering side of a latency round.
+#[inline(never)]
 fn pong(t: &mut dyn Transport, data: &Buf, pong: &Buf, size: usize, iters: usize) -> Res<()> {
     let total = WARMUP + iters;
     let mut r = t.recv(data, 0, size, Tag::Ping)?;
@@ -587,7 +618,7 @@ fn hwm_kb() -> u64 {
 }
 
 /// `--serve`: the receiving process, driven by commands on stdin.
-fn serve(provider: &str, version: u32) -> Res<()> {
+fn serve(provider: &str, version: u32, split: bool) -> Res<()> {
     let lib = emu::open();
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();
@@ -604,7 +635,7 @@ fn serve(provider: &str, version: u32) -> Res<()> {
             .map_err(|e| e.to_string())
     };
     // The server speaks first; the client answers with its own hello.
-    let mut side = connect(provider, version, &lib, &mut say, &mut next)?;
+    let mut side = connect(provider, version, split, &lib, &mut say, &mut next)?;
     let mut bufs: Option<Bufs> = None;
     loop {
         let line = next()?;
@@ -699,6 +730,8 @@ struct Plan {
     sizes: Vec<usize>,
     /// "raw" and/or "weft" (both unless profiling one).
     impls: Vec<String>,
+    /// Raw uses one endpoint per direction.
+    raw_split: bool,
     windows: Vec<usize>,
     reps: usize,
     quick: bool,
@@ -722,6 +755,7 @@ fn client(provider: &str, version: u32, plan: &Plan) -> Res<()> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut child = Command::new(exe)
         .args(["--serve", provider, "--version", &version.to_string()])
+        .args(plan.raw_split.then_some("--raw-split"))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -736,6 +770,7 @@ fn client(provider: &str, version: u32, plan: &Plan) -> Res<()> {
     let mut side = connect(
         provider,
         version,
+        plan.raw_split,
         &lib,
         |s| srv.say(s),
         || Ok(hello.clone()),
@@ -843,6 +878,16 @@ fn human(size: usize) -> String {
         s if s >= 1 << 20 => format!("{} MiB", s >> 20),
         s if s >= 1 << 10 => format!("{} KiB", s >> 10),
         s => format!("{s} B"),
+    }
+}
+
+/// An axis label in decimal units (the log axis ticks at powers of ten).
+fn decimal(x: f64) -> String {
+    match x {
+        x if x >= 1e9 => format!("{:.0} GB", x / 1e9),
+        x if x >= 1e6 => format!("{:.0} MB", x / 1e6),
+        x if x >= 1e3 => format!("{:.0} kB", x / 1e3),
+        x => format!("{x:.0} B"),
     }
 }
 
@@ -983,7 +1028,7 @@ fn plot(m: &BTreeMap<Key, BTreeMap<String, Vec<f64>>>, path: &Path, title: &str)
         .configure_mesh()
         .x_desc("message size (bytes)")
         .y_desc(format!("bandwidth, MB/s (window {wmax})"))
-        .x_label_formatter(&|x| human(*x as usize))
+        .x_label_formatter(&|x| decimal(*x))
         .draw()
         .map_err(|x| e(&x))?;
     let colours = [RED, BLUE, GREEN, MAGENTA, CYAN, BLACK];
@@ -1135,6 +1180,7 @@ fn run() -> Res<()> {
     let mut quick = false;
     let mut sizes: Option<Vec<usize>> = None;
     let mut impls = vec!["raw".to_owned(), "weft".to_owned()];
+    let mut raw_split = false;
     let mut out = PathBuf::from("target/bench");
     let (mut micro_too, mut plot_too) = (false, true);
     let (mut serve_p, mut client_p) = (None, None);
@@ -1171,6 +1217,11 @@ fn run() -> Res<()> {
                 i += 1;
                 continue;
             }
+            "--raw-split" => {
+                raw_split = true;
+                i += 1;
+                continue;
+            }
             "--micro-only" => {
                 micro_too = true;
                 providers.clear();
@@ -1184,7 +1235,7 @@ fn run() -> Res<()> {
                 continue;
             }
             "-h" | "--help" => {
-                println!("usage: weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick] [--sizes 8,64,...] [--impls raw,weft] [--out DIR] [--micro | --micro-only] [--no-plot]");
+                println!("usage: weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick] [--sizes 8,64,...] [--impls raw,weft] [--raw-split] [--out DIR] [--micro | --micro-only] [--no-plot]");
                 return Ok(());
             }
             other => return Err(format!("unknown argument {other:?}; try --help")),
@@ -1213,13 +1264,14 @@ fn run() -> Res<()> {
     let plan = Plan {
         sizes,
         impls: impls.clone(),
+        raw_split,
         windows: vec![8, 32],
         reps,
         quick,
         lat_max: 1 << 20,
     };
     if let Some(p) = serve_p {
-        return serve(&p, version);
+        return serve(&p, version, raw_split);
     }
     if let Some(p) = client_p {
         return client(&p, version, &plan);
@@ -1245,6 +1297,7 @@ fn run() -> Res<()> {
             &reps.to_string(),
         ])
         .args(["--impls", &impls.join(",")])
+        .args(raw_split.then_some("--raw-split"))
         .args([
             "--sizes",
             &plan
