@@ -229,6 +229,8 @@ impl Link {
 trait Side {
     /// "send comm to" or "receive comm from", for log lines.
     const WHAT: &'static str;
+    /// "send" or "receive", for errors about requests.
+    const KIND: &'static str;
     /// True once the link has a peer.
     fn linked(&self) -> bool;
     /// The endpoint, requests and link, borrowed together.
@@ -858,14 +860,7 @@ impl SendComm {
 
     /// Tests a request of this comm.
     pub fn test(&self, req: *const u8) -> Result<Option<Done>> {
-        let mut st = lock(&self.inner);
-        let i = test_request(&mut st.reqs, req, "send")?;
-        // An injected send is done when posted: no need to read the CQ.
-        if st.link.dead.is_none() && st.reqs.get_mut(i).is_some_and(|r| r.remaining > 0) {
-            st.progress()?;
-        }
-        let st = &mut *st;
-        finish(&mut st.reqs, i, &st.link)
+        test_side(&mut *lock(&self.inner), req)
     }
 
     /// One heartbeat tick (keeper thread).
@@ -876,6 +871,7 @@ impl SendComm {
 
 impl Side for SendState {
     const WHAT: &'static str = "send comm to";
+    const KIND: &'static str = "send";
     fn linked(&self) -> bool {
         self.phase == Phase::Ready
     }
@@ -954,6 +950,19 @@ impl SendState {
         }
         Ok(())
     }
+}
+
+/// `test` on a comm of either side. The CQ is read only while the request
+/// is unfinished (an injected send is done when posted; a receive may have
+/// been completed by an earlier read), and never once the peer is dead.
+fn test_side<S: Side>(st: &mut S, req: *const u8) -> Result<Option<Done>> {
+    let (_, reqs, link) = st.parts();
+    let i = test_request(reqs, req, S::KIND)?;
+    if link.dead.is_none() && reqs.get_mut(i).is_some_and(|r| r.remaining > 0) {
+        st.progress()?;
+    }
+    let (_, reqs, link) = st.parts();
+    finish(reqs, i, link)
 }
 
 /// Checks that `req` is the start of a live request slot of `reqs`.
@@ -1075,14 +1084,7 @@ impl RecvComm {
 
     /// Tests a request of this comm.
     pub fn test(&self, req: *const u8) -> Result<Option<Done>> {
-        let mut st = lock(&self.inner);
-        let i = test_request(&mut st.reqs, req, "receive")?;
-        // A receive completed by an earlier read needs no further one.
-        if st.link.dead.is_none() && st.reqs.get_mut(i).is_some_and(|r| r.remaining > 0) {
-            st.progress()?;
-        }
-        let st = &mut *st;
-        finish(&mut st.reqs, i, &st.link)
+        test_side(&mut *lock(&self.inner), req)
     }
 
     /// One heartbeat tick (keeper thread).
@@ -1093,6 +1095,7 @@ impl RecvComm {
 
 impl Side for RecvState {
     const WHAT: &'static str = "receive comm from";
+    const KIND: &'static str = "receive";
     fn linked(&self) -> bool {
         self.link.addr != fi::FI_ADDR_NOTAVAIL
     }

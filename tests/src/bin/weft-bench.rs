@@ -180,57 +180,42 @@ impl Raw {
     }
 }
 
-impl Transport for Raw {
-    fn send(&mut self, b: &Buf, off: usize, size: usize, tag: Tag) -> Res<Req> {
+impl Raw {
+    /// Posts one operation (`op` gets the context), progressing while the
+    /// provider says FI_EAGAIN.
+    fn post(
+        &mut self,
+        what: &str,
+        op: impl Fn(&Self, *mut c_void) -> Result<(), weft::fabric::FiError>,
+    ) -> Res<Req> {
         let i = self.slot();
-        let desc = b.raw.as_ref().map_or(std::ptr::null_mut(), Mr::desc);
         loop {
-            // SAFETY: the buffer outlives the request (rounds wait for every
-            // request before their buffers go); the context is a plain index.
-            let r = unsafe {
-                self.ep.tsend(
-                    b.ptr(off),
-                    size,
-                    desc,
-                    self.peer,
-                    tag as u64,
-                    (i + 1) as *mut c_void,
-                )
-            };
-            match r {
+            match op(self, (i + 1) as *mut c_void) {
                 Ok(()) => return Ok(Req::Raw(i)),
                 Err(e) if e.is_again() => self.progress()?,
-                Err(e) => return Err(format!("fi_tsend: {e}")),
+                Err(e) => return Err(format!("{what}: {e}")),
             }
         }
     }
+}
+
+impl Transport for Raw {
+    fn send(&mut self, b: &Buf, off: usize, size: usize, tag: Tag) -> Res<Req> {
+        let desc = b.raw.as_ref().map_or(std::ptr::null_mut(), Mr::desc);
+        self.post("fi_tsend", |r, ctx| {
+            // SAFETY: the buffer outlives the request (rounds wait for every
+            // request before their buffers go); the context is a plain index.
+            unsafe { r.ep.tsend(b.ptr(off), size, desc, r.peer, tag as u64, ctx) }
+        })
+    }
 
     fn recv(&mut self, b: &Buf, off: usize, size: usize, tag: Tag) -> Res<Req> {
-        let i = self.slot();
         let desc = b.raw.as_ref().map_or(std::ptr::null_mut(), Mr::desc);
-        loop {
-            let (ep, from) = self
-                .rx
-                .as_ref()
-                .map_or((&self.ep, self.peer), |r| (&r.0, r.1));
+        self.post("fi_trecv", |r, ctx| {
+            let (ep, from) = r.rx.as_ref().map_or((&r.ep, r.peer), |x| (&x.0, x.1));
             // SAFETY: as for send.
-            let r = unsafe {
-                ep.trecv(
-                    b.ptr(off),
-                    size,
-                    desc,
-                    from,
-                    tag as u64,
-                    0,
-                    (i + 1) as *mut c_void,
-                )
-            };
-            match r {
-                Ok(()) => return Ok(Req::Raw(i)),
-                Err(e) if e.is_again() => self.progress()?,
-                Err(e) => return Err(format!("fi_trecv: {e}")),
-            }
-        }
+            unsafe { ep.trecv(b.ptr(off), size, desc, from, tag as u64, 0, ctx) }
+        })
     }
 
     fn done(&mut self, r: Req) -> Res<bool> {
@@ -265,42 +250,40 @@ fn rc(what: &str, r: c_int) -> Res<()> {
     }
 }
 
+/// Calls `post` until it hands out a request (NULL means "retry later").
+fn until_req(what: &str, mut post: impl FnMut(&mut *mut c_void) -> c_int) -> Res<Req> {
+    let mut req: *mut c_void = std::ptr::null_mut();
+    while req.is_null() {
+        rc(what, post(&mut req))?;
+    }
+    Ok(Req::Weft(req))
+}
+
 impl Transport for Weft {
     fn send(&mut self, b: &Buf, off: usize, size: usize, tag: Tag) -> Res<Req> {
-        let mut req: *mut c_void = std::ptr::null_mut();
-        while req.is_null() {
+        let (net, comm) = (&self.net, self.send);
+        until_req("isend", |req| {
             // SAFETY: NCCL's contract: a live comm, a registered buffer that
             // outlives the request, a valid out pointer.
-            rc("isend", unsafe {
-                self.net.isend(
-                    self.send,
-                    b.ptr(off).cast(),
-                    size,
-                    tag as c_int,
-                    b.weft.0,
-                    &mut req,
-                )
-            })?;
-        }
-        Ok(Req::Weft(req))
+            unsafe { net.isend(comm, b.ptr(off).cast(), size, tag as c_int, b.weft.0, req) }
+        })
     }
 
     fn recv(&mut self, b: &Buf, off: usize, size: usize, tag: Tag) -> Res<Req> {
-        let mut req: *mut c_void = std::ptr::null_mut();
-        while req.is_null() {
+        let (net, comm) = (&self.net, self.recv);
+        until_req("irecv", |req| {
             // SAFETY: as for send; one buffer per receive.
-            rc("irecv", unsafe {
-                self.net.irecv(
-                    self.recv,
+            unsafe {
+                net.irecv(
+                    comm,
                     &mut [b.ptr(off).cast()],
                     &[size],
                     &mut [tag as c_int],
                     &mut [b.weft.1],
-                    &mut req,
+                    req,
                 )
-            })?;
-        }
-        Ok(Req::Weft(req))
+            }
+        })
     }
 
     fn done(&mut self, r: Req) -> Res<bool> {
@@ -1184,63 +1167,40 @@ fn run() -> Res<()> {
     let mut out = PathBuf::from("target/bench");
     let (mut micro_too, mut plot_too) = (false, true);
     let (mut serve_p, mut client_p) = (None, None);
-    let mut i = 0;
-    let val = |i: usize| {
-        args.get(i + 1)
-            .cloned()
-            .ok_or(format!("{} needs a value", args[i]))
-    };
-    while i < args.len() {
-        match args[i].as_str() {
-            "--providers" => providers = val(i)?.split(',').map(str::to_owned).collect(),
-            "--version" => version = val(i)?.parse().map_err(|e| format!("--version: {e}"))?,
-            "--reps" => reps = val(i)?.parse().map_err(|e| format!("--reps: {e}"))?,
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let mut val = || it.next().cloned().ok_or(format!("{arg} needs a value"));
+        match arg.as_str() {
+            "--providers" => providers = val()?.split(',').map(str::to_owned).collect(),
+            "--version" => version = val()?.parse().map_err(|e| format!("--version: {e}"))?,
+            "--reps" => reps = val()?.parse().map_err(|e| format!("--reps: {e}"))?,
             "--sizes" => {
                 sizes = Some(
-                    val(i)?
+                    val()?
                         .split(',')
                         .map(|s| s.parse().map_err(|e| format!("--sizes: {e}")))
                         .collect::<Res<_>>()?,
                 )
             }
-            "--impls" => impls = val(i)?.split(',').map(str::to_owned).collect(),
-            "--out" => out = PathBuf::from(val(i)?),
-            "--serve" => serve_p = Some(val(i)?),
-            "--client" => client_p = Some(val(i)?),
-            "--quick" => {
-                quick = true;
-                i += 1;
-                continue;
-            }
-            "--micro" => {
-                micro_too = true;
-                i += 1;
-                continue;
-            }
-            "--raw-split" => {
-                raw_split = true;
-                i += 1;
-                continue;
-            }
+            "--impls" => impls = val()?.split(',').map(str::to_owned).collect(),
+            "--out" => out = PathBuf::from(val()?),
+            "--serve" => serve_p = Some(val()?),
+            "--client" => client_p = Some(val()?),
+            "--quick" => quick = true,
+            "--micro" => micro_too = true,
+            "--raw-split" => raw_split = true,
             "--micro-only" => {
                 micro_too = true;
                 providers.clear();
                 plot_too = false;
-                i += 1;
-                continue;
             }
-            "--no-plot" => {
-                plot_too = false;
-                i += 1;
-                continue;
-            }
+            "--no-plot" => plot_too = false,
             "-h" | "--help" => {
                 println!("usage: weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick] [--sizes 8,64,...] [--impls raw,weft] [--raw-split] [--out DIR] [--micro | --micro-only] [--no-plot]");
                 return Ok(());
             }
             other => return Err(format!("unknown argument {other:?}; try --help")),
         }
-        i += 2;
     }
     let sizes = sizes.unwrap_or_else(|| {
         if quick {
