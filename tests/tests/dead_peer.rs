@@ -263,3 +263,89 @@ fn tcp_close_listen_mid_handshake() {
         (a, r) => panic!("unexpected outcome: accept {a:?}, connect {r:?}"),
     }
 }
+
+/// Close in flight, across two processes: closeSend and closeRecv with
+/// sends and receives still posted, and closeListen while a connecting
+/// process is half way through the handshake, release everything; later
+/// calls on what was closed are clear errors, and the peer carries on.
+fn close_in_flight(provider: &str) {
+    std::env::set_var("WEFT_PEER_TIMEOUT", "30");
+    let mut peer = Peer::spawn(PEER);
+    peer.cmd(&format!("init {provider}"));
+    let ctx = host::init(provider);
+    let mut h = unhex(peer.cmd("listen").strip_prefix("handle ").expect("handle")).unwrap();
+    peer.start("accept");
+    let s = host::connect(ctx, &mut h);
+    assert_eq!(peer.reply(), "ok");
+    let (hh, l) = host::listen(ctx);
+    peer.start(&format!("connect {}", hex(&hh)));
+    let r = host::accept(l);
+    core::close_listen(l).unwrap();
+    assert_eq!(peer.reply(), "ok");
+
+    const SIZE: usize = 1 << 20;
+    let out = vec![7u8; SIZE];
+    let mut inb = vec![0u8; 4 * SIZE];
+    let smh = host::reg(s, &out);
+    let rmh = host::reg(r, &inb);
+    let mut reqs: Vec<*mut c_void> = (0..4).map(|_| host::isend(s, &out, 5, smh)).collect();
+    for chunk in inb.chunks_mut(SIZE) {
+        reqs.push(host::irecv(r, &mut [chunk], &[5], &[rmh]));
+    }
+    core::close_send(s).unwrap();
+    core::close_recv(r).unwrap();
+    for q in reqs {
+        let err = core::test(q).expect_err("a request of a closed comm");
+        assert_eq!(err.code, core::Code::Internal, "{err}");
+        assert!(err.msg.contains("not a Weft request"), "{err}");
+    }
+    assert!(core::isend(
+        s,
+        out.as_ptr() as *mut c_void,
+        8,
+        5,
+        smh,
+        std::ptr::null_mut()
+    )
+    .is_err());
+    core::dereg_mr(s, smh).unwrap();
+    core::dereg_mr(r, rmh).unwrap();
+
+    // A listener closed while another process is half way through connecting.
+    let (h2, l2) = host::listen(ctx);
+    let l2 = l2 as usize;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let acceptor = {
+        let stop = std::sync::Arc::clone(&stop);
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                assert!(
+                    core::accept(l2 as *mut c_void).unwrap().is_none(),
+                    "the half-connected peer never confirmed"
+                );
+            }
+        })
+    };
+    peer.cmd(&format!("half-connect {}", hex(&h2)));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    acceptor.join().expect("acceptor");
+    core::close_listen(l2 as *mut c_void).unwrap();
+    assert!(
+        core::accept(l2 as *mut c_void).is_err(),
+        "a closed listener is an error"
+    );
+    // The peer is unharmed and answers.
+    assert!(peer.cmd("rss").starts_with("rss "));
+    peer.quit();
+    core::finalize(ctx).unwrap();
+}
+
+#[test]
+fn tcp_close_in_flight_two_processes() {
+    close_in_flight("tcp");
+}
+
+#[test]
+fn shm_close_in_flight_two_processes() {
+    close_in_flight("shm");
+}

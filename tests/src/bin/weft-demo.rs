@@ -227,6 +227,15 @@ fn reload(version: u32, provider: &str, cycles: usize, messages: usize) -> Resul
     Ok(())
 }
 
+/// On failure: what Weft told NCCL's logger (WARN and INFO), on stderr.
+fn dump_log(who: &str) {
+    for l in weft_tests::capture::lines() {
+        if l.level <= weft::log::level::INFO {
+            eprintln!("{who} log: {}", l.text);
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut provider = "tcp".to_owned();
@@ -292,6 +301,7 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 println!("failed {e}");
+                dump_log("client");
                 ExitCode::FAILURE
             }
         };
@@ -301,6 +311,7 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 println!("error {e}");
+                dump_log("server");
                 ExitCode::FAILURE
             }
         };
