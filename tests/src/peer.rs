@@ -138,6 +138,20 @@ impl Server {
         Ok(Self { child, out, handle })
     }
 
+    /// Stops the receiver (SIGKILL) after a failure and returns what it had
+    /// printed, for the error message.
+    pub fn abort(mut self) -> String {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let mut said = String::new();
+        let _ = std::io::Read::read_to_string(&mut self.out, &mut said);
+        if said.trim().is_empty() {
+            "nothing".to_owned()
+        } else {
+            said.trim().replace('\n', " | ")
+        }
+    }
+
     /// Reads the receiver's verdict (`ok <messages> <bytes>`) and waits for it.
     pub fn finish(mut self) -> Result<String, String> {
         let mut line = String::new();

@@ -14,7 +14,7 @@
 use std::ffi::{c_int, c_void};
 use std::io::Write;
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use weft_tests::emu::{self, Net};
 use weft_tests::host::pattern;
@@ -129,14 +129,20 @@ fn run(version: u32, provider: &str, messages: usize) -> Result<f64, String> {
     // SAFETY: NCCL's calling convention; `msgs` outlives every request.
     unsafe {
         check("init", n.init(&mut ctx))?;
-        poll_until("connect", || {
+        let connected = poll_until("connect", || {
             check(
                 "connect",
                 n.connect(ctx, 0, h.as_mut_ptr().cast(), &mut s, true),
             )
             .map(|()| (!s.is_null()).then_some(()))
             .transpose()
-        })?;
+        });
+        if let Err(e) = connected {
+            return Err(format!(
+                "{e}; the receiving process said: {}",
+                server.abort()
+            ));
+        }
         check(
             "regMr",
             n.reg_mr(s, msgs.as_ptr() as *mut c_void, msgs.len(), &mut mh),
@@ -209,7 +215,15 @@ fn reload(version: u32, provider: &str, cycles: usize, messages: usize) -> Resul
         .unwrap_or_default();
     for cycle in 1..=cycles {
         let secs = run(version, provider, messages)?;
-        let keepers = threads_named(weft::core::keeper::THREAD_NAME);
+        // The keeper is joined inside finalize, but a joined thread can stay
+        // listed in /proc for a moment after pthread_join returns (the kernel
+        // wakes the joiner before it reaps the task): wait for it to go.
+        let gone = Instant::now() + Duration::from_secs(10);
+        let mut keepers = threads_named(weft::core::keeper::THREAD_NAME);
+        while keepers > 0 && Instant::now() < gone {
+            std::thread::sleep(Duration::from_millis(1));
+            keepers = threads_named(weft::core::keeper::THREAD_NAME);
+        }
         let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
         let resident = maps.contains(&lib_name);
         println!(
