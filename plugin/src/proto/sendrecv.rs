@@ -1073,11 +1073,21 @@ impl RecvComm {
             st.progress()?;
             return Ok(None);
         };
-        for sub in 0..bufs.len() as u8 {
-            st.to_post.push_back((idx, sub));
-        }
+        // Post straight away unless earlier receives wait (posting order is
+        // matching order); what the provider refuses for now waits in order.
         // No progress here: NCCL tests the request next, and every read of
         // the CQ costs a system call on tcp.
+        let mut first_waiting = 0;
+        if st.to_post.is_empty() {
+            while first_waiting < bufs.len()
+                && st.post(&bufs[first_waiting], ptr.as_ptr(), first_waiting)?
+            {
+                first_waiting += 1;
+            }
+        }
+        for sub in first_waiting..bufs.len() {
+            st.to_post.push_back((idx, sub as u8));
+        }
         st.post_pending()?;
         Ok(Some(ptr.as_ptr().cast()))
     }
@@ -1108,38 +1118,44 @@ impl Side for RecvState {
 }
 
 impl RecvState {
+    /// Posts sub-receive `sub` of the request in `slot`: `Ok(false)` when
+    /// the provider says "not now" (FI_EAGAIN).
+    fn post(&self, b: &RecvBuf, slot: *mut Request, sub: usize) -> Result<bool> {
+        let ctx = (slot as usize + sub) as *mut c_void;
+        // SAFETY: NCCL keeps the buffer valid until the request completes;
+        // the context names this request's slot and sub-receive.
+        let posted = unsafe {
+            self.ep.trecv(
+                b.data,
+                b.size,
+                b.desc,
+                self.link.addr,
+                u64::from(b.tag as u32),
+                0,
+                ctx,
+            )
+        };
+        match posted {
+            Ok(()) => Ok(true),
+            Err(e) if e.is_again() => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Posts the sub-receives that had to wait, in order.
     fn post_pending(&mut self) -> Result<()> {
         while let Some(&(idx, sub)) = self.to_post.front() {
-            let Some(slot) = self.reqs.ptr(idx) else {
+            let (Some(slot), Some(b)) = (
+                self.reqs.ptr(idx),
+                self.reqs.get_mut(idx).map(|r| r.bufs[usize::from(sub)]),
+            ) else {
                 self.to_post.pop_front();
                 continue;
             };
-            let Some(r) = self.reqs.get_mut(idx) else {
-                self.to_post.pop_front();
-                continue;
-            };
-            let b = r.bufs[usize::from(sub)];
-            let ctx = (slot.as_ptr() as usize + usize::from(sub)) as *mut c_void;
-            // SAFETY: NCCL keeps the buffer valid until the request completes;
-            // the context names this request's slot and sub-receive.
-            let posted = unsafe {
-                self.ep.trecv(
-                    b.data,
-                    b.size,
-                    b.desc,
-                    self.link.addr,
-                    u64::from(b.tag as u32),
-                    0,
-                    ctx,
-                )
-            };
-            match posted {
-                Ok(()) => {
-                    self.to_post.pop_front();
-                }
-                Err(e) if e.is_again() => return Ok(()),
-                Err(e) => return Err(e.into()),
+            if !self.post(&b, slot.as_ptr(), usize::from(sub))? {
+                return Ok(());
             }
+            self.to_post.pop_front();
         }
         Ok(())
     }
