@@ -45,6 +45,25 @@ typedef struct { ncclNetDeviceType netDeviceType; int netDeviceVersion; void* ha
 typedef ncclNetDeviceHandle_v7_t ncclNetDeviceHandle_v8_t;\n\
 typedef ncclNetDeviceHandle_v8_t ncclNetDeviceHandle_t;\n";
 
+/// Supplies the CUDA headers NCCL's headers include (only their types matter).
+fn put_cuda(
+    put: &mut impl FnMut(&str, &str, &str) -> Result<(), String>,
+    why: &str,
+) -> Result<(), String> {
+    for h in ["cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h"] {
+        put(
+            h,
+            if h == "cuda_runtime.h" {
+                CUDA_RUNTIME
+            } else {
+                EMPTY
+            },
+            why,
+        )?;
+    }
+    Ok(())
+}
+
 /// Finds the layout of `dir` and prepares `stub` with what is missing.
 pub fn locate(dir: &Path, stub: &Path) -> Result<Headers, String> {
     std::fs::create_dir_all(stub).map_err(|e| format!("{}: {e}", stub.display()))?;
@@ -73,34 +92,14 @@ pub fn locate(dir: &Path, stub: &Path) -> Result<Headers, String> {
             &text,
             "stand-in for the nccl.h that NCCL's build generates from src/nccl.h.in",
         )?;
-        for h in ["cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h"] {
-            put(
-                h,
-                if h == "cuda_runtime.h" {
-                    CUDA_RUNTIME
-                } else {
-                    EMPTY
-                },
-                "CUDA header",
-            )?;
-        }
+        put_cuda(&mut put, "CUDA header")?;
         (
             Layout::SourceTree,
             dir.join("src/include/plugin/nccl_net.h"),
             vec![dir.join("src/include/plugin"), dir.join("src/include")],
         )
     } else if dir.join("nccl_net.h").exists() && dir.join("nccl.h").exists() {
-        for h in ["cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h"] {
-            put(
-                h,
-                if h == "cuda_runtime.h" {
-                    CUDA_RUNTIME
-                } else {
-                    EMPTY
-                },
-                "CUDA header the wheel omits",
-            )?;
-        }
+        put_cuda(&mut put, "CUDA header the wheel omits")?;
         let net = std::fs::read_to_string(dir.join("nccl_net.h")).map_err(|e| e.to_string())?;
         if net.contains("\"nccl_common.h\"") && !dir.join("nccl_common.h").exists() {
             put(

@@ -47,6 +47,15 @@ pub fn releases(version: u32) -> &'static str {
     }
 }
 
+/// `Ok` for ncclSuccess, else an error naming the call and the code.
+pub fn check(what: &str, r: c_int) -> Result<(), String> {
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(format!("{what} returned {r}"))
+    }
+}
+
 /// Opens the plugin as NCCL does.
 pub fn open() -> libloading::os::unix::Library {
     let p = plugin_path();

@@ -9,11 +9,19 @@ use weft::proto::wire::HANDLE_SIZE;
 
 use crate::poll_until;
 
-/// Points the plugin at `provider` on loopback. Call before the first init of
-/// a process (nextest runs every test in a process of its own).
-pub fn configure(provider: &str) {
+/// Points the plugin (and libfabric's tcp provider) at `provider` on
+/// loopback. Call before the first init of a process.
+pub fn pin_to_loopback(provider: &str) {
     std::env::set_var("WEFT_PROVIDER", provider);
     std::env::set_var("WEFT_IFACE", "lo");
+    std::env::set_var("FI_TCP_IFACE", "lo");
+}
+
+/// [`pin_to_loopback`], plus a generous peer timeout for tests that do not
+/// set one. Call before the first init of a process (nextest runs every
+/// test in a process of its own).
+pub fn configure(provider: &str) {
+    pin_to_loopback(provider);
     if std::env::var_os("WEFT_PEER_TIMEOUT").is_none() {
         std::env::set_var("WEFT_PEER_TIMEOUT", "60");
     }

@@ -49,6 +49,18 @@ pub fn timeout() -> Duration {
     }
 }
 
+/// A `kB` field of /proc/self/status (`VmRSS`, `VmHWM`, ...); 0 if absent.
+pub fn status_kb(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.strip_prefix(field).is_some_and(|r| r.starts_with(':')))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 /// `/proc/loadavg`, for timeout messages.
 pub fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")

@@ -60,6 +60,26 @@ impl Peer {
         reply
     }
 
+    /// Connects this process and the peer both ways (the peer must have run
+    /// `init`): returns (send comm to the peer, receive comm from it); the
+    /// peer holds the other ends.
+    pub fn pair(
+        &mut self,
+        ctx: *mut std::ffi::c_void,
+    ) -> (*mut std::ffi::c_void, *mut std::ffi::c_void) {
+        let reply = self.cmd("listen");
+        let mut h = unhex(reply.strip_prefix("handle ").expect("handle")).expect("peer handle");
+        self.start("accept");
+        let s = crate::host::connect(ctx, &mut h);
+        assert_eq!(self.reply(), "ok");
+        let (hh, l) = crate::host::listen(ctx);
+        self.start(&format!("connect {}", hex(&hh)));
+        let r = crate::host::accept(l);
+        weft::core::close_listen(l).expect("closeListen");
+        assert_eq!(self.reply(), "ok");
+        (s, r)
+    }
+
     /// Kills the peer (SIGKILL) and reaps it: a peer that dies.
     pub fn kill(mut self) {
         self.child.kill().expect("kill peer");
@@ -81,18 +101,20 @@ pub fn hex(b: &[u8]) -> String {
 
 /// The inverse of [`hex`]: a 128-byte handle.
 pub fn unhex(s: &str) -> Result<[u8; 128], String> {
-    let mut h = [0u8; 128];
-    if s.len() != 2 * h.len() {
-        return Err(format!(
-            "a handle is {} hex digits, got {}",
-            2 * h.len(),
-            s.len()
-        ));
+    let v = unhex_bytes(s).map_err(|e| format!("handle: {e}"))?;
+    let n = v.len();
+    v.try_into()
+        .map_err(|_| format!("a handle is 256 hex digits, got {}", 2 * n))
+}
+
+/// The inverse of [`hex`] for any length (endpoint names).
+pub fn unhex_bytes(s: &str) -> Result<Vec<u8>, String> {
+    if s.len() % 2 != 0 || !s.is_ascii() {
+        return Err(format!("{s:?} is not hex bytes"));
     }
-    for (i, b) in h.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|e| format!("handle: {e}"))?;
-    }
-    Ok(h)
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|e| e.to_string()))
+        .collect()
 }
 
 /// A receiving process started with `exe --serve <version> --provider <p>

@@ -82,15 +82,7 @@ fn dead_peer_mid_transfer(provider: &str) {
         ..Default::default()
     })
     .unwrap();
-    let mut h = unhex(peer.cmd("listen").strip_prefix("handle ").expect("handle")).unwrap();
-    peer.start("accept");
-    let s = host::connect(ctx, &mut h);
-    assert_eq!(peer.reply(), "ok");
-    let (hh, l) = host::listen(ctx);
-    peer.start(&format!("connect {}", hex(&hh)));
-    let r = host::accept(l);
-    core::close_listen(l).unwrap();
-    assert_eq!(peer.reply(), "ok");
+    let (s, r) = peer.pair(ctx);
 
     const SIZE: usize = 1 << 20;
     let out = vec![7u8; SIZE];
@@ -273,15 +265,7 @@ fn close_in_flight(provider: &str) {
     let mut peer = Peer::spawn(PEER);
     peer.cmd(&format!("init {provider}"));
     let ctx = host::init(provider);
-    let mut h = unhex(peer.cmd("listen").strip_prefix("handle ").expect("handle")).unwrap();
-    peer.start("accept");
-    let s = host::connect(ctx, &mut h);
-    assert_eq!(peer.reply(), "ok");
-    let (hh, l) = host::listen(ctx);
-    peer.start(&format!("connect {}", hex(&hh)));
-    let r = host::accept(l);
-    core::close_listen(l).unwrap();
-    assert_eq!(peer.reply(), "ok");
+    let (s, r) = peer.pair(ctx);
 
     const SIZE: usize = 1 << 20;
     let out = vec![7u8; SIZE];

@@ -2,7 +2,7 @@
 
 use weft::core;
 use weft_tests::host::{self, pattern};
-use weft_tests::peer::{hex, unhex, Peer};
+use weft_tests::peer::Peer;
 
 const PEER: &str = env!("CARGO_BIN_EXE_weft-peer");
 
@@ -13,12 +13,9 @@ fn both_directions(provider: &str) {
     peer.cmd(&format!("init {provider}"));
     let ctx = host::init(provider);
 
+    let (s, r) = peer.pair(ctx);
+
     // This process -> peer.
-    let reply = peer.cmd("listen");
-    let mut h = unhex(reply.strip_prefix("handle ").expect("handle")).unwrap();
-    peer.start("accept");
-    let s = host::connect(ctx, &mut h);
-    assert_eq!(peer.reply(), "ok");
     for (count, size) in [(64u64, 0usize), (200, 1000), (40, 1 << 20)] {
         peer.start(&format!("recv {count} {size} 7"));
         let msgs: Vec<Vec<u8>> = (0..count).map(|i| pattern(i, 7, size + 1)).collect();
@@ -44,11 +41,6 @@ fn both_directions(provider: &str) {
     }
 
     // Peer -> this process.
-    let (hh, l) = host::listen(ctx);
-    peer.start(&format!("connect {}", hex(&hh)));
-    let r = host::accept(l);
-    core::close_listen(l).unwrap();
-    assert_eq!(peer.reply(), "ok");
     let (count, size) = (300u64, 4000usize);
     peer.start(&format!("send {count} {size} 11"));
     let mut buf = vec![0u8; size];

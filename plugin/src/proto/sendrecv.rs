@@ -957,18 +957,19 @@ impl SendState {
 /// been completed by an earlier read), and never once the peer is dead.
 fn test_side<S: Side>(st: &mut S, req: *const u8) -> Result<Option<Done>> {
     let (_, reqs, link) = st.parts();
-    let i = test_request(reqs, req, S::KIND)?;
-    if link.dead.is_none() && reqs.get_mut(i).is_some_and(|r| r.remaining > 0) {
+    let (i, unfinished) = test_request(reqs, req, S::KIND)?;
+    if unfinished && link.dead.is_none() {
         st.progress()?;
     }
     let (_, reqs, link) = st.parts();
     finish(reqs, i, link)
 }
 
-/// Checks that `req` is the start of a live request slot of `reqs`.
-fn test_request(reqs: &mut Pool<Request>, req: *const u8, what: &str) -> Result<u32> {
+/// Checks that `req` is the start of a live request slot of `reqs`; returns
+/// its index and whether it is still unfinished.
+fn test_request(reqs: &mut Pool<Request>, req: *const u8, what: &str) -> Result<(u32, bool)> {
     reqs.index_of(req)
-        .filter(|&i| reqs.get_mut(i).is_some())
+        .and_then(|i| Some((i, reqs.get_mut(i)?.remaining > 0)))
         .ok_or_else(|| Error::internal(format!("test: {req:p} is not a live {what} request (already completed, or not from this plugin)")))
 }
 

@@ -36,8 +36,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use weft::fabric::{Av, Completion, Cq, Domain, Endpoint, FiAddr, Mr, ACCESS_ALL};
+use weft_tests::emu::check as rc;
 use weft_tests::emu::{self, Net};
-use weft_tests::peer::hex;
+use weft_tests::peer::{hex, unhex_bytes as unhex};
 
 /// Tags: data and pings go client -> server, "go" and pongs server -> client.
 #[derive(Debug, Clone, Copy)]
@@ -242,14 +243,6 @@ struct Weft {
     recv: *mut c_void,
 }
 
-fn rc(what: &str, r: c_int) -> Res<()> {
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(format!("{what} returned {r}"))
-    }
-}
-
 /// Calls `post` until it hands out a request (NULL means "retry later").
 fn until_req(what: &str, mut post: impl FnMut(&mut *mut c_void) -> c_int) -> Res<Req> {
     let mut req: *mut c_void = std::ptr::null_mut();
@@ -376,18 +369,6 @@ impl Side {
     }
 }
 
-fn configure(provider: &str) {
-    std::env::set_var("WEFT_PROVIDER", provider);
-    std::env::set_var("WEFT_IFACE", "lo");
-    std::env::set_var("FI_TCP_IFACE", "lo");
-}
-
-fn unhex(s: &str) -> Res<Vec<u8>> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|e| e.to_string()))
-        .collect()
-}
-
 /// Opens both transports and connects them to the peer whose hello line is
 /// read with `read` after ours is written with `write`.
 fn connect(
@@ -398,7 +379,7 @@ fn connect(
     mut write: impl FnMut(&str) -> Res<()>,
     mut read: impl FnMut() -> Res<String>,
 ) -> Res<Side> {
-    configure(provider);
+    weft_tests::host::pin_to_loopback(provider);
     let mut raw = Raw::open(provider, split)?;
     let net = emu::net(lib, version);
     let (mut ctx, mut l) = (std::ptr::null_mut(), std::ptr::null_mut());
@@ -588,18 +569,6 @@ fn pong(t: &mut dyn Transport, data: &Buf, pong: &Buf, size: usize, iters: usize
 
 // ------------------------------------------------------------ processes
 
-/// Peak resident memory of this process, kB.
-fn hwm_kb() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 /// `--serve`: the receiving process, driven by commands on stdin.
 fn serve(provider: &str, version: u32, split: bool) -> Res<()> {
     let lib = emu::open();
@@ -653,7 +622,7 @@ fn serve(provider: &str, version: u32, split: bool) -> Res<()> {
             }
             Some("quit") => {
                 close(side, bufs, version)?;
-                return say(&format!("ok {}", hwm_kb()));
+                return say(&format!("ok {}", weft_tests::status_kb("VmHWM")));
             }
             other => return Err(format!("unknown command {other:?}")),
         }
@@ -832,7 +801,7 @@ fn client(provider: &str, version: u32, plan: &Plan) -> Res<()> {
     let _ = srv.child.wait();
     emit(serde_json::json!({
         "provider": provider, "test": "memory",
-        "client_hwm_kb": hwm_kb(),
+        "client_hwm_kb": weft_tests::status_kb("VmHWM"),
         "server_hwm_kb": server_hwm.strip_prefix("ok ").and_then(|s| s.parse::<u64>().ok()),
     }))
 }

@@ -26,21 +26,8 @@ const SIZE: usize = 1 << 20;
 const WINDOW: usize = 8;
 const TAG: c_int = 3;
 
-fn check(what: &str, r: c_int) -> Result<(), String> {
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(format!("{what} returned {r}"))
-    }
-}
-
-fn configure(provider: &str) {
-    std::env::set_var("WEFT_PROVIDER", provider);
-    if provider.starts_with("tcp") {
-        std::env::set_var("WEFT_IFACE", "lo");
-        std::env::set_var("FI_TCP_IFACE", "lo");
-    }
-}
+use weft_tests::emu::check;
+use weft_tests::host::pin_to_loopback as configure;
 
 /// The receiving process: listen, print the handle, accept, receive and verify.
 fn serve(version: u32, provider: &str, messages: usize) -> Result<(), String> {

@@ -26,17 +26,6 @@ use weft_tests::peer::{hex, unhex};
 
 const WINDOW: usize = 8;
 
-fn rss_kb() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 struct Peer {
     provider: String,
     /// What `half-connect` keeps open.
@@ -219,7 +208,7 @@ impl Peer {
                 std::mem::forget(b);
                 "ok".into()
             }
-            Some("rss") => format!("rss {}", rss_kb()),
+            Some("rss") => format!("rss {}", weft_tests::status_kb("VmRSS")),
             Some("quit") => return Ok(None),
             other => return Err(format!("unknown command {other:?}")),
         }))
