@@ -66,6 +66,27 @@ fn shm_connect_to_closed_listener_fails() {
     connect_to_dead_listener("shm", "closed");
 }
 
+const SIZE: usize = 1 << 20;
+
+/// Registers `out` (one message) and `inb` (four) and leaves 4 sends on `s`
+/// and 4 receives on `r` in flight (the peer matches none of them).
+fn in_flight(
+    s: *mut c_void,
+    r: *mut c_void,
+    out: &[u8],
+    inb: &mut [u8],
+) -> (*mut c_void, *mut c_void, Vec<(&'static str, *mut c_void)>) {
+    let smh = host::reg(s, out);
+    let rmh = host::reg(r, inb);
+    let mut reqs: Vec<_> = (0..4)
+        .map(|_| ("send", host::isend(s, out, 5, smh)))
+        .collect();
+    for chunk in inb.chunks_mut(SIZE) {
+        reqs.push(("receive", host::irecv(r, &mut [chunk], &[5], &[rmh])));
+    }
+    (smh, rmh, reqs)
+}
+
 /// Send and receive comms to a peer process, with 4 sends and 4 receives of
 /// 1 MiB in flight that the peer never matches. While the peer lives (idle,
 /// waiting on stdin) for more than twice the timeout, nothing fails; once it
@@ -84,17 +105,9 @@ fn dead_peer_mid_transfer(provider: &str) {
     .unwrap();
     let (s, r) = peer.pair(ctx);
 
-    const SIZE: usize = 1 << 20;
     let out = vec![7u8; SIZE];
     let mut inb = vec![0u8; 4 * SIZE];
-    let smh = host::reg(s, &out);
-    let rmh = host::reg(r, &inb);
-    let mut reqs: Vec<(&str, *mut c_void)> = (0..4)
-        .map(|_| ("send", host::isend(s, &out, 5, smh)))
-        .collect();
-    for chunk in inb.chunks_mut(SIZE) {
-        reqs.push(("receive", host::irecv(r, &mut [chunk], &[5], &[rmh])));
-    }
+    let (smh, rmh, mut reqs) = in_flight(s, r, &out, &mut inb);
 
     // Alive and idle: receives keep waiting, nothing fails.
     let idle = Duration::from_secs(2 * T + 1);
@@ -267,18 +280,12 @@ fn close_in_flight(provider: &str) {
     let ctx = host::init(provider);
     let (s, r) = peer.pair(ctx);
 
-    const SIZE: usize = 1 << 20;
     let out = vec![7u8; SIZE];
     let mut inb = vec![0u8; 4 * SIZE];
-    let smh = host::reg(s, &out);
-    let rmh = host::reg(r, &inb);
-    let mut reqs: Vec<*mut c_void> = (0..4).map(|_| host::isend(s, &out, 5, smh)).collect();
-    for chunk in inb.chunks_mut(SIZE) {
-        reqs.push(host::irecv(r, &mut [chunk], &[5], &[rmh]));
-    }
+    let (smh, rmh, reqs) = in_flight(s, r, &out, &mut inb);
     core::close_send(s).unwrap();
     core::close_recv(r).unwrap();
-    for q in reqs {
+    for (_, q) in reqs {
         let err = core::test(q).expect_err("a request of a closed comm");
         assert_eq!(err.code, core::Code::Internal, "{err}");
         assert!(err.msg.contains("not a Weft request"), "{err}");
