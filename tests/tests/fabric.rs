@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use weft::fabric::{Av, Completion, Cq, Domain, Endpoint, FiAddr, FiError, Mr, ACCESS_ALL};
+use weft::fabric::{Completion, Domain, Endpoint, FiAddr, FiError, Mr, ACCESS_ALL};
 use weft_tests::{loopback, poll_until};
 
 struct Side {
@@ -24,11 +24,7 @@ fn open_pair(provider: &str) -> (Arc<Domain>, Side, Side) {
         );
     }
     let domain = Domain::open(dev.info.as_ref()).expect("open domain");
-    let open = || {
-        let cq = Cq::open(&domain, 0).expect("open cq");
-        let av = Av::open(&domain).expect("open av");
-        Endpoint::open(&domain, &cq, &av).expect("open endpoint")
-    };
+    let open = || Endpoint::open_own(&domain).expect("open endpoint, its CQ and AV");
     let (a, b) = (open(), open());
     let pa = b
         .av()

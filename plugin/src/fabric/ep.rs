@@ -51,6 +51,14 @@ impl Endpoint {
         Ok(ep)
     }
 
+    /// Opens an endpoint with a CQ and an AV of its own on `domain` (how
+    /// Weft gives every comm its endpoint).
+    pub fn open_own(domain: &Arc<Domain>) -> Result<Self, FiError> {
+        let cq = Cq::open(domain, 0)?;
+        let av = Av::open(domain)?;
+        Self::open(domain, &cq, &av)
+    }
+
     /// The endpoint's address, to be inserted in a peer's AV.
     pub fn name(&self) -> Result<Vec<u8>, FiError> {
         let mut buf = vec![0u8; 64];

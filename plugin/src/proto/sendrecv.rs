@@ -52,7 +52,7 @@ use crate::core::pool::{Pool, SLOT_ALIGN};
 use crate::core::props::{MAX_RECVS, MAX_REQUESTS};
 use crate::core::{DeviceState, Error, Result};
 use crate::fabric::DomainRegistrar;
-use crate::fabric::{Av, Completion, CompletionError, Cq, CqError, Endpoint, FiAddr, FiError};
+use crate::fabric::{Completion, CompletionError, Cq, CqError, Endpoint, FiAddr, FiError};
 use crate::freelist::{Elem, Freelist, HostPages, Params};
 
 /// Tag bit reserved for control messages.
@@ -95,9 +95,7 @@ pub fn nonce() -> u64 {
 
 /// One endpoint with its CQ and AV on a device's domain.
 fn open_endpoint(dev: &DeviceState) -> Result<Endpoint> {
-    let cq = Cq::open(&dev.domain, 0)?;
-    let av = Av::open(&dev.domain)?;
-    Ok(Endpoint::open(&dev.domain, &cq, &av)?)
+    Ok(Endpoint::open_own(&dev.domain)?)
 }
 
 /// Registered buffers kept posted for control messages.

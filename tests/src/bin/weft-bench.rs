@@ -35,7 +35,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use weft::fabric::{Av, Completion, Cq, Domain, Endpoint, FiAddr, Mr, ACCESS_ALL};
+use weft::fabric::{Completion, Domain, Endpoint, FiAddr, Mr, ACCESS_ALL};
 use weft_tests::emu::check as rc;
 use weft_tests::emu::{self, Net};
 use weft_tests::peer::{hex, unhex_bytes as unhex};
@@ -126,15 +126,8 @@ struct Raw {
 
 impl Raw {
     fn open(provider: &str, split: bool) -> Res<Self> {
-        let e = |e: weft::fabric::FiError| e.to_string();
-        let devs =
-            weft::device::discover(&weft_tests::loopback(provider)).map_err(|e| e.to_string())?;
-        let domain = Domain::open(devs[0].info.as_ref()).map_err(e)?;
-        let open = || -> Res<Endpoint> {
-            let cq = Cq::open(&domain, 0).map_err(e)?;
-            let av = Av::open(&domain).map_err(e)?;
-            Endpoint::open(&domain, &cq, &av).map_err(e)
-        };
+        let domain = weft_tests::loopback_domain(provider)?;
+        let open = || Endpoint::open_own(&domain).map_err(|e| e.to_string());
         let ep = open()?;
         let rx = if split {
             Some((open()?, libfabric_sys::FI_ADDR_NOTAVAIL))

@@ -91,16 +91,12 @@ fn recv(comm: *mut c_void, count: u64, size: usize, tag: i32) -> Result<u64, Str
 /// listener of `handle` and waits for the Ack, but never says `Alive`. What
 /// it returns keeps its endpoint open.
 fn half_connect(provider: &str, handle: &[u8; 128]) -> Result<Box<dyn std::any::Any>, String> {
-    use weft::fabric::{Av, Cq, Domain, Endpoint, Mr, ACCESS_ALL};
+    use weft::fabric::{Endpoint, Mr, ACCESS_ALL};
     use weft::proto::sendrecv::CTRL_TAG;
     use weft::proto::wire::{Ctrl, ListenHandle, CTRL_MAX};
     let e = |e: weft::fabric::FiError| e.to_string();
-    let devs =
-        weft::device::discover(&weft_tests::loopback(provider)).map_err(|e| e.to_string())?;
-    let domain = Domain::open(devs[0].info.as_ref()).map_err(e)?;
-    let cq = Cq::open(&domain, 0).map_err(e)?;
-    let av = Av::open(&domain).map_err(e)?;
-    let ep = Endpoint::open(&domain, &cq, &av).map_err(e)?;
+    let domain = weft_tests::loopback_domain(provider)?;
+    let ep = Endpoint::open_own(&domain).map_err(e)?;
     let h = ListenHandle::decode(handle).map_err(|e| e.to_string())?;
     let listener = ep.av().insert(&h.addr).map_err(e)?;
     let buf = vec![0u8; CTRL_MAX];
@@ -138,10 +134,10 @@ fn half_connect(provider: &str, handle: &[u8; 128]) -> Result<Box<dyn std::any::
                 Err(err) => panic!("half-connect: {err}"),
             }
         }
-        (cq.read(&mut c).expect("half-connect cq") > 0).then_some(())
+        (ep.cq().read(&mut c).expect("half-connect cq") > 0).then_some(())
     });
     match Ctrl::decode(&buf[..c[0].len]) {
-        Ok(Ctrl::Ack { conn: 42, .. }) => Ok(Box::new((ep, mr, buf, av, cq, domain))),
+        Ok(Ctrl::Ack { conn: 42, .. }) => Ok(Box::new((ep, mr, buf, domain))),
         other => Err(format!("half-connect: expected the Ack, got {other:?}")),
     }
 }
