@@ -100,13 +100,7 @@ impl<T: Copy> Pool<T> {
         Some(unsafe { &mut *p.as_ptr() })
     }
 
-    /// Frees a live slot, returning its value.
-    pub fn remove(&mut self, i: u32) -> Option<T> {
-        let v = *self.get_mut(i)?;
-        self.release(i).then_some(v)
-    }
-
-    /// Frees a live slot without copying its value out; false if not live.
+    /// Frees a live slot (its value is not copied out); false if not live.
     pub fn release(&mut self, i: u32) -> bool {
         if !self.live.get(i as usize).copied().unwrap_or(false) {
             return false;
@@ -162,9 +156,10 @@ mod tests {
         assert_eq!(p.index_of((a.as_ptr() as usize + 8) as *const u8), None);
         let rest: Vec<_> = (0..3).map(|i| p.insert([i; 3]).unwrap()).collect();
         assert!(p.insert([0; 3]).is_none(), "bounded");
-        assert_eq!(p.remove(ia), Some([1, 2, 3]));
+        assert_eq!(p.get_mut(ia).copied(), Some([1, 2, 3]));
+        assert!(p.release(ia));
         assert!(p.get_mut(ia).is_none(), "freed slot is not live");
-        assert!(p.remove(ia).is_none(), "no double free");
+        assert!(!p.release(ia), "no double free");
         assert_eq!(p.in_use(), 3);
         drop(rest);
         p.clear();
