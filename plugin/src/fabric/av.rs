@@ -15,7 +15,7 @@ pub type FiAddr = fi::fi_addr_t;
 #[derive(Debug)]
 pub struct Av {
     ptr: *mut fi::fid_av,
-    _domain: Arc<Domain>,
+    domain: Arc<Domain>,
 }
 
 // SAFETY: opened on a FI_THREAD_SAFE domain.
@@ -37,17 +37,23 @@ impl Av {
         })?;
         Ok(Arc::new(Self {
             ptr,
-            _domain: Arc::clone(domain),
+            domain: Arc::clone(domain),
         }))
     }
 
-    /// Inserts one peer name (as returned by `Endpoint::name`) and returns its address.
+    /// Inserts one peer name (as returned by `Endpoint::name`) and returns
+    /// its address. A name that is not one whole address of the domain's
+    /// format is refused before libfabric sees it ([`Domain::check_addr`]).
     pub fn insert(&self, name: &[u8]) -> Result<FiAddr, FiError> {
+        self.domain.check_addr(name).map_err(|why| FiError {
+            call: "fi_av_insert",
+            code: fi::FI_EINVAL,
+            text: format!("refused a peer address: {why}"),
+        })?;
         let mut addr: FiAddr = fi::FI_ADDR_NOTAVAIL;
-        // SAFETY: `name` is a readable buffer holding one provider address;
-        // libfabric reads as many bytes as its address format needs. A name
-        // shorter than that is rejected by the caller's handle checks before it
-        // gets here; `addr` receives the result.
+        // SAFETY: `name` holds one whole address of the provider's format
+        // (checked just above), so libfabric reads only inside it; `addr`
+        // receives the result.
         let n = check("fi_av_insert", unsafe {
             fi::fi_av_insert(
                 self.ptr,
@@ -82,8 +88,11 @@ impl Av {
     pub fn straddr(&self, name: &[u8]) -> String {
         let mut buf = [0u8; 128];
         let mut len = buf.len();
-        // SAFETY: AV is live; `name` holds one address of this provider (it
-        // was inserted successfully); libfabric writes at most `len` bytes
+        if self.domain.check_addr(name).is_err() {
+            return name.iter().map(|b| format!("{b:02x}")).collect();
+        }
+        // SAFETY: AV is live; `name` holds one whole address of this provider
+        // (checked just above); libfabric writes at most `len` bytes
         // into `buf` and returns it, NUL-terminated when it fits.
         let p = unsafe {
             fi::fi_av_straddr(

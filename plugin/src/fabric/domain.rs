@@ -1,7 +1,7 @@
 //! Fabric and domain: the roots every other libfabric object hangs from.
 
 use std::ptr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use libfabric_sys as fi;
@@ -58,6 +58,9 @@ pub struct Domain {
     ptr: *mut fi::fid_domain,
     info: OwnedInfo,
     next_key: AtomicU64,
+    /// The length of this domain's endpoint names (learned from the first
+    /// endpoint; 0 until then).
+    name_len: AtomicUsize,
     _fabric: Arc<Fabric>,
 }
 
@@ -80,6 +83,7 @@ impl Domain {
             ptr,
             info,
             next_key: AtomicU64::new(1),
+            name_len: AtomicUsize::new(0),
             _fabric: fabric,
         }))
     }
@@ -97,6 +101,44 @@ impl Domain {
         } else {
             self.next_key.fetch_add(1, Ordering::Relaxed)
         }
+    }
+
+    /// Records the length of an endpoint name of this domain.
+    pub(crate) fn note_name_len(&self, len: usize) {
+        self.name_len.store(len, Ordering::Relaxed);
+    }
+
+    /// Checks that `name` is one whole endpoint address of this domain's
+    /// provider before libfabric reads it: libfabric reads as many bytes as
+    /// its address format needs, whatever the buffer holds, so an address
+    /// from a handle or a control message that is empty or short would make
+    /// it read past the buffer (or dial heap bytes). String addresses (shm)
+    /// must be NUL-terminated inside `name`; binary ones (sockaddr, EFA) must
+    /// be exactly as long as this domain's own endpoint names.
+    pub fn check_addr(&self, name: &[u8]) -> Result<(), String> {
+        if self.info().addr_format() == fi::FI_ADDR_STR {
+            return match name.iter().position(|&b| b == 0) {
+                Some(0) => Err("empty address string".to_owned()),
+                Some(_) => Ok(()),
+                None if name.is_empty() => Err("empty address".to_owned()),
+                None => Err(format!(
+                    "address string of {} bytes without its terminating NUL",
+                    name.len()
+                )),
+            };
+        }
+        let want = match self.name_len.load(Ordering::Relaxed) {
+            0 => self.info().src_addrlen(),
+            n => n,
+        };
+        if want == 0 || name.len() != want {
+            return Err(format!(
+                "address of {} bytes, but {} addresses are {want} bytes",
+                name.len(),
+                self.info().provider()
+            ));
+        }
+        Ok(())
     }
 
     pub(crate) fn raw(&self) -> *mut fi::fid_domain {

@@ -9,12 +9,16 @@ use super::av::{Av, FiAddr};
 use super::cq::Cq;
 use super::domain::{close_fid, Domain};
 use super::error::{check, FiError};
+use super::local::LocalEp;
 
 /// An enabled RDM endpoint bound to one CQ (send and receive) and one AV.
-/// Dropping it closes the endpoint before the CQ and AV it holds.
+/// Dropping it closes the endpoint before the CQ and AV it holds. While open
+/// it is recorded in [`super::local`] under its name.
 #[derive(Debug)]
 pub struct Endpoint {
+    /// NULL once [`Endpoint::shutdown`] closed it.
     ptr: *mut fi::fid_ep,
+    local: Option<Arc<LocalEp>>,
     cq: Arc<Cq>,
     av: Arc<Av>,
     _domain: Arc<Domain>,
@@ -35,8 +39,9 @@ impl Endpoint {
             fi::fi_endpoint(domain.raw(), domain.info().raw(), &mut ptr, ptr::null_mut())
         })?;
         // Own it first so an error below still closes it.
-        let ep = Self {
+        let mut ep = Self {
             ptr,
+            local: None,
             cq: Arc::clone(cq),
             av: Arc::clone(av),
             _domain: Arc::clone(domain),
@@ -48,7 +53,39 @@ impl Endpoint {
             check("fi_ep_bind(av)", fi::fi_ep_bind(ep.ptr, av.fid(), 0))?;
             check("fi_enable", fi::fi_enable(ep.ptr))?;
         }
+        let name = ep.name()?;
+        domain.note_name_len(name.len());
+        // shm names carry the process id, so they are never another process's.
+        let process_unique = domain.info().provider() == super::provider::SHM;
+        ep.local = Some(LocalEp::register(name, process_unique));
         Ok(ep)
+    }
+
+    /// Closes the endpoint now (a comm whose peer died): afterwards the
+    /// provider owns none of the buffers posted on it, and every operation
+    /// fails with `FI_ESHUTDOWN`. Its CQ and AV stay open.
+    pub fn shutdown(&mut self) {
+        if let Some(l) = &self.local {
+            l.close();
+        }
+        if !self.ptr.is_null() {
+            // SAFETY: `ptr` is live and closed once (it is NULL afterwards).
+            close_fid(unsafe { &raw mut (*self.ptr).fid }, "endpoint");
+            self.ptr = ptr::null_mut();
+        }
+    }
+
+    /// True once [`Endpoint::shutdown`] ran.
+    pub fn is_shut_down(&self) -> bool {
+        self.ptr.is_null()
+    }
+
+    fn live(&self, call: &'static str) -> Result<*mut fi::fid_ep, FiError> {
+        if self.ptr.is_null() {
+            Err(FiError::new(call, i64::from(fi::FI_ESHUTDOWN)))
+        } else {
+            Ok(self.ptr)
+        }
     }
 
     /// Opens an endpoint with a CQ and an AV of its own on `domain` (how
@@ -61,13 +98,14 @@ impl Endpoint {
 
     /// The endpoint's address, to be inserted in a peer's AV.
     pub fn name(&self) -> Result<Vec<u8>, FiError> {
+        let ep = self.live("fi_getname")?;
         let mut buf = vec![0u8; 64];
         loop {
             let mut len = buf.len();
             // SAFETY: `buf` is writable for `len` bytes; libfabric writes at most
             // that and reports the needed length.
             let ret =
-                unsafe { fi::fi_getname(&mut (*self.ptr).fid, buf.as_mut_ptr().cast(), &mut len) };
+                unsafe { fi::fi_getname(&raw mut (*ep).fid, buf.as_mut_ptr().cast(), &mut len) };
             if ret == -(fi::FI_ETOOSMALL as i32) && len > buf.len() {
                 buf.resize(len, 0);
                 continue;
@@ -103,9 +141,10 @@ impl Endpoint {
         tag: u64,
         ctx: *mut libc::c_void,
     ) -> Result<(), FiError> {
+        let ep = self.live("fi_tsend")?;
         // SAFETY: upheld by the caller as documented.
         check("fi_tsend", unsafe {
-            fi::fi_tsend(self.ptr, buf.cast(), len, desc, dest, tag, ctx)
+            fi::fi_tsend(ep, buf.cast(), len, desc, dest, tag, ctx)
         })
         .map(drop)
     }
@@ -126,18 +165,20 @@ impl Endpoint {
         ignore: u64,
         ctx: *mut libc::c_void,
     ) -> Result<(), FiError> {
+        let ep = self.live("fi_trecv")?;
         // SAFETY: upheld by the caller as documented.
         check("fi_trecv", unsafe {
-            fi::fi_trecv(self.ptr, buf.cast(), len, desc, src, tag, ignore, ctx)
+            fi::fi_trecv(ep, buf.cast(), len, desc, src, tag, ignore, ctx)
         })
         .map(drop)
     }
 
     /// Sends a small message that libfabric copies at once (no completion).
     pub fn tinject(&self, data: &[u8], dest: FiAddr, tag: u64) -> Result<(), FiError> {
+        let ep = self.live("fi_tinject")?;
         // SAFETY: fi_tinject copies `data` before returning.
         check("fi_tinject", unsafe {
-            fi::fi_tinject(self.ptr, data.as_ptr().cast(), data.len(), dest, tag)
+            fi::fi_tinject(ep, data.as_ptr().cast(), data.len(), dest, tag)
         })
         .map(drop)
     }
@@ -149,9 +190,10 @@ impl Endpoint {
     /// `ctx` must be a context posted on this endpoint whose completion has
     /// not been read yet (libfabric matches it against posted operations).
     pub unsafe fn cancel(&self, ctx: *mut libc::c_void) -> Result<(), FiError> {
+        let ep = self.live("fi_cancel")?;
         // SAFETY: the endpoint is live; the caller vouches for `ctx`.
         check("fi_cancel", unsafe {
-            fi::fi_cancel(&mut (*self.ptr).fid, ctx)
+            fi::fi_cancel(&raw mut (*ep).fid, ctx)
         })
         .map(drop)
     }
@@ -159,8 +201,7 @@ impl Endpoint {
 
 impl Drop for Endpoint {
     fn drop(&mut self) {
-        // SAFETY: `ptr` is live and closed once, before `cq` and `av` (fields
-        // drop after this body runs).
-        close_fid(unsafe { &mut (*self.ptr).fid }, "endpoint");
+        // Closed before `cq` and `av` (fields drop after this body runs).
+        self.shutdown();
     }
 }

@@ -225,6 +225,14 @@ impl<'a> InfoRef<'a> {
         // SAFETY: as above.
         unsafe { self.0.ep_attr.as_ref() }.map_or(0, |a| a.mem_tag_format)
     }
+    /// The provider's address format (`FI_SOCKADDR_IN`, `FI_ADDR_STR`, ...).
+    pub fn addr_format(&self) -> u32 {
+        self.0.addr_format
+    }
+    /// The length of the provider's endpoint addresses (0 if not given).
+    pub fn src_addrlen(&self) -> usize {
+        self.0.src_addrlen
+    }
     /// An owned copy of this entry alone.
     pub fn to_owned(&self) -> Result<OwnedInfo, FiError> {
         // SAFETY: fi_dupinfo deep-copies one entry (the copy's `next` is NULL).

@@ -14,6 +14,7 @@ mod domain;
 mod ep;
 mod error;
 mod info;
+pub mod local;
 mod mr;
 
 pub use av::{Av, FiAddr};
