@@ -1,16 +1,19 @@
 //! Registration cache: one per domain, so an mhandle is valid on every comm of
 //! its device (`regIsGlobal` = 1).
 //!
-//! Registrations cover whole pages. The cache is an interval map of disjoint
-//! page ranges (`BTreeMap` keyed by start): a lookup is one predecessor search,
-//! O(log n). A request inside a cached range is a hit and shares its
-//! registration; a request overlapping cached ranges registers their union,
-//! which replaces them in the map (their holders keep the old registrations
-//! until they release them). A registration lives as long as any handle to it
-//! (the reference count is the `Arc`'s); the last release deregisters it and
-//! drops it from the map.
+//! Registrations cover whole pages. A registration is shared only by requests
+//! for exactly the same page range (NCCL's net_ib does the same): NCCL
+//! registers each buffer once and frees it after `deregMr`, and a registration
+//! that merged several buffers, or that a sub-range kept alive, would outlive
+//! the memory that made it. New memory mapped at the same address would then
+//! hit the stale registration (on verbs or EFA: pinned old pages, silent
+//! corruption). With exact ranges, a registration lives exactly as long as a
+//! handle NCCL holds for that range; the last release deregisters it and
+//! drops it from the map. NCCL's own `(addr, len)` stays in its handle
+//! ([`crate::core`]), and buffers are checked against that, not against the
+//! page-rounded range.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -59,15 +62,12 @@ pub struct RegError {
     pub why: String,
 }
 
-struct Entry<G> {
-    end: usize,
-    region: Weak<Region<G>>,
-}
+type Key = (usize, usize);
 
 /// The per-domain registration cache.
 pub struct MrCache<R: Registrar> {
     registrar: R,
-    map: Mutex<BTreeMap<usize, Entry<R::Registration>>>,
+    map: Mutex<HashMap<Key, Weak<Region<R::Registration>>>>,
     hits: AtomicU64,
     misses: AtomicU64,
 }
@@ -82,7 +82,7 @@ impl<R: Registrar> fmt::Debug for MrCache<R> {
     }
 }
 
-fn page_range(addr: usize, len: usize) -> Option<(usize, usize)> {
+fn page_range(addr: usize, len: usize) -> Option<Key> {
     let page = page_size();
     let start = addr & !(page - 1);
     // A zero-length registration still pins the page it names.
@@ -97,7 +97,7 @@ impl<R: Registrar> MrCache<R> {
     pub fn new(registrar: R) -> Self {
         Self {
             registrar,
-            map: Mutex::new(BTreeMap::new()),
+            map: Mutex::new(HashMap::new()),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
         }
@@ -121,83 +121,52 @@ impl<R: Registrar> MrCache<R> {
         )
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, Entry<R::Registration>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Weak<Region<R::Registration>>>> {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Returns a registration covering `addr..addr+len`, registering if needed.
+    /// Returns a registration of the pages of `addr..addr+len`: the cached
+    /// one for exactly those pages, or a new one.
     ///
     /// # Safety
-    /// The pages of the range stay mapped while the returned handle (and any
-    /// registration built over it) lives.
+    /// The pages of the range stay mapped while the returned handle lives.
     pub unsafe fn register(
         &self,
         addr: usize,
         len: usize,
     ) -> Result<Arc<Region<R::Registration>>, RegError> {
         let fail = |why: String| RegError { addr, len, why };
-        let (start, end) = page_range(addr, len).ok_or_else(|| fail("range overflows".into()))?;
+        let key = page_range(addr, len).ok_or_else(|| fail("range overflows".into()))?;
         let mut map = self.lock();
-        if let Some((_, e)) = map.range(..=start).next_back() {
-            if e.end >= end {
-                if let Some(r) = e.region.upgrade() {
-                    self.hits.fetch_add(1, Ordering::Relaxed);
-                    return Ok(r);
-                }
-            }
+        if let Some(r) = map.get(&key).and_then(Weak::upgrade) {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(r);
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
-        // Entries are disjoint and sorted: those overlapping [start, end) are
-        // the last ones starting before `end` whose end is past `start`.
-        let mut overlapped = Vec::new();
-        let (mut lo, mut hi) = (start, end);
-        for (&s, e) in map.range(..end).rev() {
-            if e.end <= start {
-                break;
-            }
-            overlapped.push(s);
-            if e.region.strong_count() > 0 {
-                lo = lo.min(s);
-                hi = hi.max(e.end);
-            }
-        }
-        let base = NonNull::new(lo as *mut u8).ok_or_else(|| fail("NULL address".into()))?;
-        // SAFETY: the caller keeps [start, end) mapped; the live overlapped
-        // ranges in the union are mapped because their holders keep them so.
-        let (reg, desc) = match unsafe { self.registrar.register(base, hi - lo) } {
+        let base = NonNull::new(key.0 as *mut u8).ok_or_else(|| fail("NULL address".into()))?;
+        // SAFETY: the caller keeps the pages mapped while the handle lives.
+        let (reg, desc) = match unsafe { self.registrar.register(base, key.1 - key.0) } {
             Ok(Some(r)) => r,
             Ok(None) => return Err(fail("the registrar does not register memory".into())),
             Err(why) => return Err(fail(why)),
         };
-        for s in overlapped {
-            map.remove(&s);
-        }
         let region = Arc::new(Region {
-            start: lo,
-            end: hi,
+            start: key.0,
+            end: key.1,
             desc,
             _reg: reg,
         });
-        map.insert(
-            lo,
-            Entry {
-                end: hi,
-                region: Arc::downgrade(&region),
-            },
-        );
+        map.insert(key, Arc::downgrade(&region));
         Ok(region)
     }
 
     /// Drops one reference; the last one deregisters and leaves the map.
     pub fn release(&self, region: Arc<Region<R::Registration>>) {
-        let start = region.start;
+        let key = (region.start, region.end);
         let mut map = self.lock();
         drop(region);
-        if map
-            .get(&start)
-            .is_some_and(|e| e.region.strong_count() == 0)
-        {
-            map.remove(&start);
+        if map.get(&key).is_some_and(|w| w.strong_count() == 0) {
+            map.remove(&key);
         }
     }
 }
@@ -247,13 +216,13 @@ mod tests {
     }
 
     #[test]
-    fn sub_range_is_a_hit_and_refcounted() {
+    fn same_pages_hit_and_are_refcounted() {
         let rec = Rec::default();
         let c = MrCache::new(rec.clone());
         let a = reg(&c, BASE + 10, 3 * P);
         assert_eq!(a.range(), BASE..BASE + 4 * P, "page aligned");
-        let b = reg(&c, BASE + P, 100);
-        assert!(Arc::ptr_eq(&a, &b), "sub-range hits");
+        let b = reg(&c, BASE + 20, 3 * P + 100);
+        assert!(Arc::ptr_eq(&a, &b), "the same pages hit");
         assert_eq!(c.stats(), (1, 1));
         assert_eq!(rec.0.borrow().len(), 1);
         c.release(a);
@@ -263,42 +232,55 @@ mod tests {
         assert!(c.is_empty());
     }
 
+    /// A sub-range or an overlapping range gets a registration of its own,
+    /// so no registration outlives the handles NCCL holds for its pages.
     #[test]
-    fn overlap_registers_the_union_and_old_holders_keep_theirs() {
+    fn sub_ranges_and_overlaps_register_their_own_pages() {
         let rec = Rec::default();
         let c = MrCache::new(rec.clone());
-        let a = reg(&c, BASE, P);
-        let b = reg(&c, BASE + 4 * P, P);
-        let u = reg(&c, BASE + P / 2, 5 * P);
-        assert_eq!(u.range(), BASE..BASE + 6 * P);
-        assert_eq!(c.len(), 1, "the union replaced both entries");
-        assert_eq!(rec.0.borrow().len(), 3);
-        let hit = reg(&c, BASE + 2 * P, 10);
-        assert!(Arc::ptr_eq(&hit, &u));
-        c.release(a);
-        c.release(b);
-        assert_eq!(rec.0.borrow().len(), 1);
-        assert_eq!(c.len(), 1, "releasing replaced regions keeps the union");
-        c.release(hit);
-        c.release(u);
+        let parent = reg(&c, BASE, 256 * P);
+        let sub = reg(&c, BASE + P, P);
+        assert!(!Arc::ptr_eq(&parent, &sub));
+        assert_eq!(sub.range(), BASE + P..BASE + 2 * P);
+        let over = reg(&c, BASE + 200 * P, 100 * P);
+        assert_eq!(over.range(), BASE + 200 * P..BASE + 300 * P);
+        assert_eq!(c.stats(), (0, 3));
+        c.release(parent);
+        assert_eq!(
+            rec.0.borrow().len(),
+            2,
+            "the parent's pages are deregistered"
+        );
+        assert!(
+            !sub.contains(BASE + 128 * P, 4096),
+            "the sub-range covers only its page"
+        );
+        c.release(sub);
+        c.release(over);
         assert!(rec.0.borrow().is_empty() && c.is_empty());
     }
 
+    /// register -> free -> (new memory at the same address) -> register:
+    /// a fresh registration, never the old one.
     #[test]
-    fn disjoint_ranges_do_not_hit() {
-        let c = MrCache::new(Rec::default());
-        let a = reg(&c, BASE, P);
-        let b = reg(&c, BASE + 2 * P, P);
-        assert!(!Arc::ptr_eq(&a, &b));
-        assert_eq!(c.len(), 2);
-        assert!(a.contains(BASE + 5, P - 5) && !a.contains(BASE + 5, P));
+    fn reregistering_freed_pages_registers_again() {
+        let rec = Rec::default();
+        let c = MrCache::new(rec.clone());
+        let a = reg(&c, BASE, 4 * P);
+        let key_a = a.desc().key;
         c.release(a);
+        assert!(rec.0.borrow().is_empty());
+        let b = reg(&c, BASE, 4 * P);
+        assert_eq!(c.stats(), (0, 2), "the second registration is a miss");
+        assert_eq!(b.desc().key, key_a, "same address");
+        assert_eq!(rec.0.borrow().len(), 1);
         c.release(b);
     }
 
     proptest::proptest! {
         /// Random registrations and releases: every handle covers what it asked
-        /// for, entries stay disjoint, and releasing everything empties the cache.
+        /// for, exactly one registration exists per page range held, and
+        /// releasing everything empties the cache.
         #[test]
         fn model(ops in proptest::collection::vec((0usize..64, 1usize..(8 * P), proptest::bool::ANY), 1..120)) {
             let rec = Rec::default();
@@ -314,12 +296,11 @@ mod tests {
                     proptest::prop_assert!(r.contains(addr, len));
                     held.push(r);
                 }
-                let map = c.lock();
-                let mut prev_end = 0;
-                for (&s, e) in map.iter() {
-                    proptest::prop_assert!(s >= prev_end && e.end > s, "entries overlap");
-                    prev_end = e.end;
-                }
+                // One live registration per distinct page range held.
+                let mut ranges: Vec<_> = held.iter().map(|r| (r.start, r.end)).collect();
+                ranges.sort_unstable();
+                ranges.dedup();
+                proptest::prop_assert_eq!(rec.0.borrow().len(), ranges.len());
             }
             for r in held.drain(..) { c.release(r); }
             proptest::prop_assert!(c.is_empty());

@@ -151,7 +151,7 @@ pub fn mr_cache(buf: &[u8]) -> (MrCache<CountingRegistrar>, Vec<Arc<Region<()>>>
     (cache, held)
 }
 
-/// `n` x a cache hit (lookup of a sub-range of a registered range, then release).
+/// `n` x a cache hit (lookup of a registered page range, then release).
 #[inline(never)]
 pub fn mr_hit(cache: &MrCache<CountingRegistrar>, addr: usize, len: usize, n: u64) -> u64 {
     let mut sum = 0u64;

@@ -31,7 +31,7 @@ fn main() -> ExitCode {
             let buf = vec![0u8; 64 << 20];
             let (cache, held) = micro::mr_cache(&buf);
             let r = held[17].range();
-            let s = micro::mr_hit(&cache, r.start + 4096, 8192, n);
+            let s = micro::mr_hit(&cache, r.start + 100, r.len() - 200, n);
             drop(held);
             s
         }
