@@ -57,16 +57,22 @@ pub fn boundary(codes: &Results, what: &str, f: impl FnOnce() -> Result<()>) -> 
 }
 
 /// A NULL check for a pointer NCCL passes to be written through.
-// The C boundary: NCCL's output pointers are NULL or point to its own live
-// objects; NULL is refused here.
-#[allow(clippy::not_unsafe_ptr_arg_deref)]
-pub fn out_ref<'a, T>(p: *mut T, what: &str) -> Result<&'a mut T> {
+///
+/// # Safety
+/// `p` is NULL or points to a live, writable `T` that nothing else accesses
+/// while the reference lives (NCCL's output arguments).
+pub unsafe fn out_ref<'a, T>(p: *mut T, what: &str) -> Result<&'a mut T> {
     // SAFETY: non-NULL pointers NCCL passes for output point to a live T it owns.
     unsafe { p.as_mut() }.ok_or_else(|| Error::internal(format!("NULL `{what}` argument")))
 }
 
-fn write<T>(p: *mut T, v: T, what: &str) -> Result<()> {
-    *out_ref(p, what)? = v;
+/// Writes through an output pointer (see [`out_ref`]).
+///
+/// # Safety
+/// As for [`out_ref`].
+unsafe fn write<T>(p: *mut T, v: T, what: &str) -> Result<()> {
+    // SAFETY: upheld by the caller.
+    *unsafe { out_ref(p, what) }? = v;
     Ok(())
 }
 
@@ -214,7 +220,11 @@ pub struct CommConfig {
     pub traffic_class: c_int,
 }
 
-fn handle<'a>(p: *mut c_void) -> Result<&'a mut [u8; crate::proto::wire::HANDLE_SIZE]> {
+/// NCCL's connection handle buffer.
+///
+/// # Safety
+/// `p` is NULL or NCCL's handle buffer of `NCCL_NET_HANDLE_MAXSIZE` bytes.
+unsafe fn handle<'a>(p: *mut c_void) -> Result<&'a mut [u8; crate::proto::wire::HANDLE_SIZE]> {
     // SAFETY: NCCL's handle buffer is NCCL_NET_HANDLE_MAXSIZE (128) bytes.
     unsafe { p.cast::<[u8; crate::proto::wire::HANDLE_SIZE]>().as_mut() }
         .ok_or_else(|| Error::internal("NULL connection handle"))
@@ -265,7 +275,10 @@ pub mod net {
     }
 
     /// `init`: a context per communicator (v11+) or the process context.
-    pub fn init(a: args::init) -> Result<()> {
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn init(a: args::init) -> Result<()> {
         let profiler = (!a.profFunction.is_null()).then_some(a.profFunction as usize);
         if a.ctx.is_null() {
             return core::init_process(a.logFunction, profiler);
@@ -278,13 +291,18 @@ pub mod net {
             comm_id: a.commId,
             traffic_class: tc,
         })?;
-        write(a.ctx, ctx, "ctx")
+        // SAFETY: `ctx` is non-NULL (checked above) and NCCL's output slot.
+        unsafe { write(a.ctx, ctx, "ctx") }
     }
 
     /// `devices`.
-    pub fn devices(a: args::devices) -> Result<()> {
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn devices(a: args::devices) -> Result<()> {
         let n = core::devices()?;
-        write(a.ndev, c_int::try_from(n).unwrap_or(c_int::MAX), "ndev")
+        // SAFETY: NCCL's output slot (NULL is refused).
+        unsafe { write(a.ndev, c_int::try_from(n).unwrap_or(c_int::MAX), "ndev") }
     }
 
     /// `getProperties`: `fill` writes the version's struct.
@@ -292,31 +310,51 @@ pub mod net {
         core::with_properties(dev, fill)
     }
 
-    /// `listen`.
-    pub fn listen(a: args::listen) -> Result<()> {
-        let l = core::listen(ctx_or_process(a.ctx)?, a.dev, handle(a.handle)?)?;
-        write(a.listenComm, l, "listenComm")
+    /// `listen`. The output pointer is checked first, so a NULL one
+    /// creates nothing.
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn listen(a: args::listen) -> Result<()> {
+        // SAFETY: NCCL's output slot and handle buffer (NULL is refused).
+        let (out, h) = unsafe { (out_ref(a.listenComm, "listenComm")?, handle(a.handle)?) };
+        *out = core::listen(ctx_or_process(a.ctx)?, a.dev, h)?;
+        Ok(())
     }
 
     /// `connect`: `*sendComm` stays NULL until connected.
-    pub fn connect(a: args::connect) -> Result<()> {
-        let out = out_ref(a.sendComm, "sendComm")?;
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn connect(a: args::connect) -> Result<()> {
+        // SAFETY: NCCL's output slots, config and handle buffer (NULL is
+        // refused, or means "absent" for the device handle and config).
+        let (out, dc, tc, h) = unsafe {
+            (
+                out_ref(a.sendComm, "sendComm")?,
+                out_ref(a.sendDevComm, "sendDevComm").ok(),
+                a.config.as_ref().map(|c| c.traffic_class),
+                handle(a.handle)?,
+            )
+        };
         *out = std::ptr::null_mut();
         // No device offload: a device-handle slot, if any, stays NULL.
-        if let Ok(dc) = out_ref(a.sendDevComm, "sendDevComm") {
+        if let Some(dc) = dc {
             *dc = std::ptr::null_mut();
         }
-        // SAFETY: non-NULL config points to NCCL's ncclNetCommConfig (v10).
-        let tc = unsafe { a.config.as_ref() }.map(|c| c.traffic_class);
-        if let Some(c) = core::connect(ctx_or_process(a.ctx)?, a.dev, tc, handle(a.handle)?)? {
+        if let Some(c) = core::connect(ctx_or_process(a.ctx)?, a.dev, tc, h)? {
             *out = c;
         }
         Ok(())
     }
 
     /// `accept`: `*recvComm` stays NULL until a peer connected.
-    pub fn accept(a: args::accept) -> Result<()> {
-        let out = out_ref(a.recvComm, "recvComm")?;
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn accept(a: args::accept) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let out = unsafe { out_ref(a.recvComm, "recvComm")? };
         *out = std::ptr::null_mut();
         if let Some(c) = core::accept(a.listenComm)? {
             *out = c;
@@ -324,10 +362,16 @@ pub mod net {
         Ok(())
     }
 
-    /// `regMr`.
-    pub fn regMr(a: args::regMr) -> Result<()> {
-        let mh = core::reg_mr(a.comm, a.data, a.size.get("size")?, a.type_)?;
-        write(a.mhandle, mh, "mhandle")
+    /// `regMr`. The output pointer is checked first, so a NULL one
+    /// registers nothing.
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn regMr(a: args::regMr) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let out = unsafe { out_ref(a.mhandle, "mhandle")? };
+        *out = core::reg_mr(a.comm, a.data, a.size.get("size")?, a.type_)?;
+        Ok(())
     }
 
     /// `deregMr`.
@@ -336,11 +380,18 @@ pub mod net {
     }
 
     /// `isend`: `*request` is always written (NULL = retry later).
-    pub fn isend(a: args::isend) -> Result<()> {
-        let out = out_ref(a.request, "request")?;
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn isend(a: args::isend) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let out = unsafe { out_ref(a.request, "request")? };
         *out = std::ptr::null_mut();
         let size = a.size.get("size")?;
-        if let Some(r) = core::isend(a.sendComm, a.data, size, a.tag, a.mhandle, a.phandle)? {
+        // SAFETY: NCCL's buffer, kept until the request is done; the core
+        // checks it against its memory handle.
+        let r = unsafe { core::isend(a.sendComm, a.data, size, a.tag, a.mhandle, a.phandle)? };
+        if let Some(r) = r {
             *out = r;
         }
         Ok(())
@@ -359,8 +410,12 @@ pub mod net {
     }
 
     /// `irecv`: the value NCCL leaves in `*request` (stale, or 0x1) is ignored.
-    pub fn irecv(a: args::irecv) -> Result<()> {
-        let out = out_ref(a.request, "request")?;
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn irecv(a: args::irecv) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let out = unsafe { out_ref(a.request, "request")? };
         *out = std::ptr::null_mut();
         let n = n_of(a.n)?;
         if a.data.is_null() || a.tags.is_null() || a.mhandles.is_null() {
@@ -389,15 +444,21 @@ pub mod net {
                 };
             }
         }
-        if let Some(r) = core::irecv(a.recvComm, &bufs[..n])? {
+        // SAFETY: NCCL's buffers, kept until the request is done; the core
+        // checks each against its memory handle.
+        if let Some(r) = unsafe { core::irecv(a.recvComm, &bufs[..n])? } {
             *out = r;
         }
         Ok(())
     }
 
     /// `iflush`: host memory needs none (NULL request = done).
-    pub fn iflush(a: args::iflush) -> Result<()> {
-        let out = out_ref(a.request, "request")?;
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn iflush(a: args::iflush) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let out = unsafe { out_ref(a.request, "request")? };
         *out = std::ptr::null_mut();
         if let Some(r) = core::iflush(a.recvComm, n_of(a.n)?)? {
             *out = r;
@@ -406,8 +467,12 @@ pub mod net {
     }
 
     /// `test`: writes `*done` and, when done, the sizes (as `int`).
-    pub fn test(a: args::test) -> Result<()> {
-        let done = out_ref(a.done, "done")?;
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn test(a: args::test) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let done = unsafe { out_ref(a.done, "done")? };
         *done = 0;
         if let Some(d) = core::test(a.request)? {
             let sizes = SizeArray::Int(a.sizes);
@@ -489,16 +554,24 @@ pub mod collnet {
     }
 
     /// `init`: succeeds, allocating nothing.
-    pub fn init(a: args::init) -> Result<()> {
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn init(a: args::init) -> Result<()> {
         crate::log::set_logger(a.logFunction);
         if !a.ctx.is_null() {
-            write(a.ctx, (&raw const CTX).cast_mut().cast(), "ctx")?;
+            // SAFETY: NCCL's output slot (non-NULL).
+            unsafe { write(a.ctx, (&raw const CTX).cast_mut().cast(), "ctx")? };
         }
         Ok(())
     }
     /// `devices`: 0.
-    pub fn devices(a: args::devices) -> Result<()> {
-        write(a.ndev, 0, "ndev")
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn devices(a: args::devices) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        unsafe { write(a.ndev, 0, "ndev") }
     }
     /// `getProperties`: no device exists.
     pub fn get_properties(dev: c_int, _fill: impl FnOnce(&Properties) -> Result<()>) -> Result<()> {
@@ -513,8 +586,12 @@ pub mod collnet {
         Err(none("connect"))
     }
     /// `reduceSupport`: nothing is supported.
-    pub fn reduceSupport(a: args::reduceSupport) -> Result<()> {
-        write(a.supported, 0, "supported")
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn reduceSupport(a: args::reduceSupport) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        unsafe { write(a.supported, 0, "supported") }
     }
     /// `regMr`.
     pub fn regMr(_: args::regMr) -> Result<()> {

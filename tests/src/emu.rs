@@ -72,7 +72,9 @@ pub fn open() -> libloading::os::unix::Library {
 /// A version-free view of one `ncclNet_vN_t`. Sizes are `usize` here; each
 /// implementation converts to what its version passes.
 #[allow(clippy::missing_safety_doc, missing_docs)]
-pub trait Net {
+/// One version's table, callable from any thread (NCCL's service and
+/// progress threads call it at once).
+pub trait Net: Sync {
     fn version(&self) -> u32;
     fn name(&self) -> String;
     /// v11+ return a context; older versions NULL.

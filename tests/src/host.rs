@@ -98,7 +98,7 @@ pub fn reg(comm: *mut c_void, buf: &[u8]) -> *mut c_void {
 /// Posts a send, retrying while the plugin returns a NULL request.
 pub fn isend(comm: *mut c_void, buf: &[u8], tag: i32, mh: *mut c_void) -> *mut c_void {
     poll_until("isend request", || {
-        core::isend(
+        isend_raw(
             comm,
             buf.as_ptr() as *mut c_void,
             buf.len(),
@@ -129,7 +129,7 @@ pub fn irecv(
             phandle: std::ptr::null_mut(),
         })
         .collect();
-    poll_until("irecv request", || core::irecv(comm, &args).expect("irecv"))
+    poll_until("irecv request", || irecv_raw(comm, &args).expect("irecv"))
 }
 
 /// Tests until done.
@@ -160,4 +160,28 @@ pub fn pattern(seq: u64, tag: i32, len: usize) -> Vec<u8> {
                 .wrapping_add(seq * 7 + tag as u64) as u8
         })
         .collect()
+}
+
+/// [`core::isend`] with the tests' contract: the caller keeps the buffer
+/// alive and unchanged until the request is done or the comm closed (or
+/// passes a buffer the core must refuse). Test support whose purpose is to
+/// hand the core raw and bogus pointers, so it is not `unsafe` itself.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
+pub fn isend_raw(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    tag: i32,
+    mh: *mut c_void,
+    phandle: *mut c_void,
+) -> weft::core::Result<Option<*mut c_void>> {
+    // SAFETY: the test contract above.
+    unsafe { core::isend(comm, data, size, tag, mh, phandle) }
+}
+
+/// [`core::irecv`] with the tests' contract (see [`isend_raw`]).
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
+pub fn irecv_raw(comm: *mut c_void, args: &[RecvArg]) -> weft::core::Result<Option<*mut c_void>> {
+    // SAFETY: the test contract of `isend_raw`.
+    unsafe { core::irecv(comm, args) }
 }

@@ -132,7 +132,7 @@ fn tcp_truncation_is_an_error() {
         let (mut sq, mut err, mut sent) = (None, None, false);
         weft_tests::poll_until("truncated receive and its send", || {
             if sq.is_none() {
-                sq = core::isend(s, src.as_ptr() as *mut _, len, 5, smh, std::ptr::null_mut())
+                sq = isend_raw(s, src.as_ptr() as *mut _, len, 5, smh, std::ptr::null_mut())
                     .unwrap();
             }
             if let Some(q) = sq.filter(|_| !sent) {
@@ -243,7 +243,7 @@ fn stale_and_foreign_pointers_are_errors() {
     let foreign = (&raw const local).cast_mut().cast();
     assert!(core::test(foreign).is_err());
     assert!(core::test(std::ptr::null_mut()).is_err());
-    assert!(core::isend(
+    assert!(isend_raw(
         foreign,
         foreign,
         8,
@@ -253,7 +253,7 @@ fn stale_and_foreign_pointers_are_errors() {
     )
     .is_err());
     assert!(
-        core::irecv(s, &[]).is_err(),
+        irecv_raw(s, &[]).is_err(),
         "a send comm is not a receive comm"
     );
     assert!(core::dereg_mr(s, foreign).is_err());
@@ -270,7 +270,7 @@ fn stale_and_foreign_pointers_are_errors() {
     assert!(e.msg.contains("not a live"), "{e}");
     // A buffer outside its registration is refused.
     let other = [0u8; 64];
-    assert!(core::isend(
+    assert!(isend_raw(
         s,
         other.as_ptr() as *mut _,
         64,
@@ -280,7 +280,7 @@ fn stale_and_foreign_pointers_are_errors() {
     )
     .is_err());
     // A buffer without its memory handle cannot be validated: refused.
-    let e = core::isend(
+    let e = isend_raw(
         s,
         buf.as_ptr() as *mut _,
         64,
@@ -312,7 +312,7 @@ fn credits_bound_the_sender_and_come_back() {
     // Eager sends complete at once and are tested at once, so only credits
     // can stop the sender.
     for _ in 0..CREDITS * 2 {
-        match core::isend(s, buf.as_ptr() as *mut _, 64, 2, smh, std::ptr::null_mut()).unwrap() {
+        match isend_raw(s, buf.as_ptr() as *mut _, 64, 2, smh, std::ptr::null_mut()).unwrap() {
             Some(q) => {
                 sent += 1;
                 wait(q);
@@ -367,18 +367,26 @@ fn iflush_on_host_memory_is_a_null_request() {
     close_pair(s, r);
 }
 
-/// regMr on a sub-range of a registered range is a cache hit, and a handle is
-/// valid on every comm of the device (regIsGlobal).
+/// regMr of the same pages again is a cache hit (a sub-range is not: it
+/// registers its own pages), and a handle is valid on every comm of the
+/// device (regIsGlobal).
 #[test]
 fn registrations_are_cached_and_global() {
     let ctx = init("tcp");
     let (s, r) = pair(ctx);
     let (s2, r2) = pair(ctx);
     let buf = pattern(0, 4, 1 << 16);
+    let st0 = weft::core::device_stats(0).unwrap();
     let big = reg(s, &buf);
+    let again = reg(r, &buf);
     let sub = reg(s, &buf[4096..8192]);
     let st = weft::core::device_stats(0).unwrap();
-    assert!(st.mr_hits >= 1, "sub-range registration must hit: {st:?}");
+    assert_eq!(
+        (st.mr_hits - st0.mr_hits, st.mr_misses - st0.mr_misses),
+        (1, 2),
+        "the same pages hit, a sub-range registers anew: {st:?}"
+    );
+    core::dereg_mr(r, again).unwrap();
     // Registered on comm s, used on comm s2.
     let mut dst = vec![0u8; 4096];
     let rmh = reg(r2, &dst);
@@ -413,7 +421,7 @@ fn shm_truncation_writes_nothing_past_the_buffer() {
             let (head, _guard) = dst.split_at_mut(len / 2);
             irecv(r, &mut [head], &[5], &[rmh])
         };
-        let sq = core::isend(s, src.as_ptr() as *mut _, len, 5, smh, std::ptr::null_mut()).unwrap();
+        let sq = isend_raw(s, src.as_ptr() as *mut _, len, 5, smh, std::ptr::null_mut()).unwrap();
         // The sender progresses on its own thread, as in a real peer process.
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let sender = sq.map(|q| {

@@ -164,7 +164,7 @@ fn dead_peer_mid_transfer(provider: &str) {
         "{provider}: a WARN names the dead peer and why: {warns:?}"
     );
     println!("{provider}: {}", warns[0].text);
-    let err = core::isend(
+    let err = host::isend_raw(
         s,
         out.as_ptr() as *mut c_void,
         8,
@@ -290,7 +290,7 @@ fn close_in_flight(provider: &str) {
         assert_eq!(err.code, core::Code::Internal, "{err}");
         assert!(err.msg.contains("not a Weft request"), "{err}");
     }
-    assert!(core::isend(
+    assert!(host::isend_raw(
         s,
         out.as_ptr() as *mut c_void,
         8,

@@ -42,7 +42,7 @@ fn tcp_receiver_memory_is_bounded_by_credits() {
     // Bounded: without credits the plugin would accept all 4 x CREDITS.
     while refused < 1000 && reqs.len() < 4 * n {
         let m = msg(reqs.len());
-        match core::isend(s, m.as_ptr() as *mut _, SIZE, 1, mh, std::ptr::null_mut()).unwrap() {
+        match host::isend_raw(s, m.as_ptr() as *mut _, SIZE, 1, mh, std::ptr::null_mut()).unwrap() {
             Some(q) => {
                 reqs.push(q);
                 // Complete sends as they go, so that only credits can stop the sender.
@@ -79,7 +79,7 @@ fn tcp_receiver_memory_is_bounded_by_credits() {
         "receiver grew {grown} kB (> {bound} kB): memory is not bounded by credits"
     );
     assert!(
-        core::isend(
+        host::isend_raw(
             s,
             msg(0).as_ptr() as *mut _,
             SIZE,

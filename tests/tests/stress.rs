@@ -50,7 +50,7 @@ fn drive(p: Pair) {
                 mhandle: rmh[slot],
                 phandle: std::ptr::null_mut(),
             };
-            let rq = poll_until("irecv", || core::irecv(r, &[arg]).unwrap());
+            let rq = poll_until("irecv", || host::irecv_raw(r, &[arg]).unwrap());
             inflight.push_back((next, slot, rq, None));
             next += 1;
         }
@@ -58,7 +58,7 @@ fn drive(p: Pair) {
         for (seq, slot, _, sq) in inflight.iter_mut() {
             if sq.is_none() {
                 let size = SIZES[(*seq % SIZES.len() as u64) as usize];
-                *sq = core::isend(
+                *sq = host::isend_raw(
                     s,
                     src[*slot].as_ptr() as *mut c_void,
                     size,

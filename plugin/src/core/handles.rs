@@ -1,20 +1,27 @@
 //! Validation of the pointers NCCL hands back.
 //!
-//! Every comm, context and memory handle given to NCCL is an `Arc` whose
-//! address is recorded here; a pointer NCCL passes in is looked up before
-//! anything is read through it, so a stale or foreign pointer is an error, not
-//! undefined behaviour. Requests live in per-comm pools; their address ranges
-//! map to the owning comm.
+//! Every context, comm, memory handle and request given to NCCL is an opaque
+//! token, never an address: NCCL only stores these values and passes them
+//! back. Tokens come from one process-wide counter and are never reused, so a
+//! stale pointer (a closed comm, a deregistered handle, a request already
+//! completed) can never name a live object, and a foreign pointer is refused:
+//! it is looked up before anything is done with it.
+//!
+//! Requests are tokens too: the request space of their comm (a token of its
+//! own), the slot in the comm's pool, and the slot's generation, which grows
+//! every time the slot is freed. A stale request token names an old
+//! generation and is refused instead of consuming a newer request's
+//! completion.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-/// Hashes the addresses used as keys: Fibonacci hashing of one word. The
-/// keys are addresses chosen by the allocator, not by a peer, so SipHash's
-/// resistance to chosen keys buys nothing here and costs ~100 instructions
-/// on every call NCCL makes.
+/// Hashes the tokens used as keys: Fibonacci hashing of one word. Tokens are
+/// chosen by Weft, not by a peer, so SipHash's resistance to chosen keys buys
+/// nothing here and costs ~100 instructions on every call NCCL makes.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct AddrHasher(u64);
 
@@ -32,55 +39,123 @@ impl Hasher for AddrHasher {
             .wrapping_mul(0x9E37_79B9_7F4A_7C15)
             .rotate_left(29);
     }
+    fn write_u64(&mut self, n: u64) {
+        self.write_usize(n as usize);
+    }
 }
 
-type AddrMap<T> = HashMap<usize, Arc<T>, BuildHasherDefault<AddrHasher>>;
+type TokenMap<T> = HashMap<u64, Arc<T>, BuildHasherDefault<AddrHasher>>;
 
-/// Live objects of one kind, keyed by the address handed to NCCL.
+/// Marks a token (bits 60..64): no real pointer NCCL might confuse it with
+/// has these bits set on the platforms NCCL runs on.
+const TOKEN_TAG: u64 = 0x5 << 60;
+/// Marks a request token.
+const REQ_TAG: u64 = 0x6 << 60;
+const TAG_MASK: u64 = 0xF << 60;
+
+/// A new, never-used serial number (1, 2, ...).
+pub fn serial() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+fn token_of(serial: u64) -> *mut c_void {
+    std::ptr::without_provenance_mut(((serial << 4) | TOKEN_TAG) as usize)
+}
+
+fn serial_of(p: *const c_void) -> Option<u64> {
+    let v = p as usize as u64;
+    (v & TAG_MASK == TOKEN_TAG && v & 0xF == 0).then_some((v & !TAG_MASK) >> 4)
+}
+
+/// Slot index bits of a request token.
+const REQ_SLOT_BITS: u32 = 10;
+/// Generation bits of a request token.
+const REQ_GEN_BITS: u32 = 16;
+
+/// The token NCCL gets for slot `slot` (generation `gen`) of the request
+/// space `space`.
+pub fn req_token(space: u64, slot: u32, gen: u32) -> *mut c_void {
+    debug_assert!(slot < 1 << REQ_SLOT_BITS);
+    let v = REQ_TAG
+        | (space << (REQ_SLOT_BITS + REQ_GEN_BITS))
+        | (u64::from(gen & ((1 << REQ_GEN_BITS) - 1)) << REQ_SLOT_BITS)
+        | u64::from(slot);
+    std::ptr::without_provenance_mut(v as usize)
+}
+
+/// A request token's (space, slot, generation); `None` if it is none.
+pub fn req_parts(p: *const c_void) -> Option<(u64, u32, u32)> {
+    let v = p as usize as u64;
+    if v & TAG_MASK != REQ_TAG {
+        return None;
+    }
+    let v = v & !TAG_MASK;
+    Some((
+        v >> (REQ_SLOT_BITS + REQ_GEN_BITS),
+        (v & ((1 << REQ_SLOT_BITS) - 1)) as u32,
+        ((v >> REQ_SLOT_BITS) & ((1 << REQ_GEN_BITS) - 1)) as u32,
+    ))
+}
+
+/// Whether generation `gen` (as a slot counts it) matches a token's.
+pub fn same_gen(gen: u32, token_gen: u32) -> bool {
+    gen & ((1 << REQ_GEN_BITS) - 1) == token_gen
+}
+
+/// Live objects of one kind, keyed by serial number. Lookups clone the
+/// `Arc` and let go of the lock at once: no lock is held while the caller
+/// works (the data path calls libfabric), so a connect or close that writes
+/// here never waits for, or stalls, a data-path call.
 #[derive(Debug)]
 pub struct Registry<T> {
-    map: RwLock<AddrMap<T>>,
+    map: RwLock<TokenMap<T>>,
 }
 
 impl<T> Default for Registry<T> {
     fn default() -> Self {
         Self {
-            map: RwLock::new(AddrMap::default()),
+            map: RwLock::new(TokenMap::default()),
         }
     }
 }
 
 impl<T> Registry<T> {
-    /// Records `v` and returns the pointer to give NCCL.
+    /// Records `v` under a new token and returns the token for NCCL.
     pub fn insert(&self, v: Arc<T>) -> *mut c_void {
-        let p = Arc::as_ptr(&v) as *mut c_void;
+        let s = serial();
+        self.insert_at(s, v);
+        token_of(s)
+    }
+    /// Records `v` under `serial` (from [`serial`]).
+    pub fn insert_at(&self, serial: u64, v: Arc<T>) {
         self.map
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(p as usize, v);
-        p
+            .insert(serial, v);
     }
-    /// The live object at `p`, if `p` is one.
+    /// The live object for the token `p`, if it is one.
     pub fn get(&self, p: *const c_void) -> Option<Arc<T>> {
+        self.get_at(serial_of(p)?)
+    }
+    /// The live object recorded under `serial`.
+    pub fn get_at(&self, serial: u64) -> Option<Arc<T>> {
         self.map
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .get(&(p as usize))
+            .get(&serial)
             .cloned()
     }
-    /// Runs `f` on the live object at `p` under the registry's read lock,
-    /// without taking a reference (the data path's way: no reference-count
-    /// traffic per call). `f` must not write to this registry.
-    pub fn with<R>(&self, p: *const c_void, f: impl FnOnce(&T) -> R) -> Option<R> {
-        let map = self.map.read().unwrap_or_else(|e| e.into_inner());
-        map.get(&(p as usize)).map(|v| f(v))
-    }
-    /// Forgets and returns the object at `p`.
+    /// Forgets and returns the object for the token `p`.
     pub fn remove(&self, p: *const c_void) -> Option<Arc<T>> {
+        self.remove_at(serial_of(p)?)
+    }
+    /// Forgets and returns the object recorded under `serial`.
+    pub fn remove_at(&self, serial: u64) -> Option<Arc<T>> {
         self.map
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&(p as usize))
+            .remove(&serial)
     }
     /// Live objects.
     pub fn len(&self) -> usize {
@@ -102,85 +177,42 @@ impl<T> Registry<T> {
     }
 }
 
-/// Address ranges owned by an object (request pools -> their comm).
-#[derive(Debug)]
-pub struct RangeRegistry<T> {
-    map: RwLock<BTreeMap<usize, (usize, Arc<T>)>>,
-}
-
-impl<T> Default for RangeRegistry<T> {
-    fn default() -> Self {
-        Self {
-            map: RwLock::new(BTreeMap::new()),
-        }
-    }
-}
-
-impl<T> RangeRegistry<T> {
-    /// Records that `start..end` belongs to `owner`.
-    pub fn insert(&self, range: std::ops::Range<usize>, owner: Arc<T>) {
-        self.map
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(range.start, (range.end, owner));
-    }
-    /// The owner of the range containing `p`.
-    pub fn find(&self, p: *const c_void) -> Option<Arc<T>> {
-        let a = p as usize;
-        let map = self.map.read().unwrap_or_else(|e| e.into_inner());
-        let (_, (end, owner)) = map.range(..=a).next_back()?;
-        (a < *end).then(|| Arc::clone(owner))
-    }
-    /// Runs `f` on the owner of the range containing `p`, under the read
-    /// lock (see [`Registry::with`]).
-    pub fn with<R>(&self, p: *const c_void, f: impl FnOnce(&T) -> R) -> Option<R> {
-        let a = p as usize;
-        let map = self.map.read().unwrap_or_else(|e| e.into_inner());
-        let (_, (end, owner)) = map.range(..=a).next_back()?;
-        (a < *end).then(|| f(owner))
-    }
-    /// Forgets the range starting at `start`.
-    pub fn remove(&self, start: usize) {
-        self.map
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&start);
-    }
-    /// Forgets every range.
-    pub fn clear(&self) {
-        self.map.write().unwrap_or_else(|e| e.into_inner()).clear();
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn registry_validates_pointers() {
+    fn registry_validates_tokens_and_never_reuses_them() {
         let r = Registry::default();
         let p = r.insert(Arc::new(5u32));
         assert_eq!(*r.get(p).unwrap(), 5);
         assert!(r.get(std::ptr::null()).is_none());
+        assert!(r.get((p as usize + 16) as *const c_void).is_none());
         assert!(r.get((p as usize + 4) as *const c_void).is_none());
         assert!(r.remove(p).is_some());
         assert!(r.get(p).is_none(), "stale after removal");
         let q = r.insert(Arc::new(6u32));
+        assert_ne!(p, q, "a new object never gets a closed one's token");
+        assert!(r.get(p).is_none());
         assert_eq!(r.values().len(), 1);
         assert_eq!(r.clear(), 1);
         assert!(r.get(q).is_none() && r.is_empty());
     }
 
     #[test]
-    fn ranges_map_to_owners() {
-        let r = RangeRegistry::default();
-        r.insert(100..200, Arc::new('a'));
-        r.insert(300..310, Arc::new('b'));
-        assert_eq!(*r.find(150 as *const c_void).unwrap(), 'a');
-        assert_eq!(*r.find(300 as *const c_void).unwrap(), 'b');
-        assert!(r.find(200 as *const c_void).is_none());
-        assert!(r.find(99 as *const c_void).is_none());
-        r.remove(100);
-        assert!(r.find(150 as *const c_void).is_none());
+    fn request_tokens_carry_space_slot_and_generation() {
+        let s = serial();
+        let t = req_token(s, 255, 70_000);
+        let (space, slot, gen) = req_parts(t).unwrap();
+        assert_eq!((space, slot), (s, 255));
+        assert!(same_gen(70_000, gen));
+        assert!(!same_gen(70_001, gen));
+        assert!(
+            req_parts(token_of(s)).is_none(),
+            "a comm token is no request"
+        );
+        assert!(serial_of(t).is_none(), "a request token is no comm");
+        assert!(req_parts(std::ptr::null()).is_none());
+        assert!(req_parts(std::ptr::without_provenance::<c_void>(0x1)).is_none());
     }
 }

@@ -2,9 +2,10 @@
 //!
 //! It speaks the newest semantics (per-communicator contexts, `size_t` sizes,
 //! grouped receives, profiler handles, traffic classes); older API versions are
-//! projections of it done by the adapters. Pointers handed to NCCL (contexts,
-//! comms, memory handles, requests) are recorded in [`handles`] registries and
-//! validated on the way back in. No version number appears here.
+//! projections of it done by the adapters. What NCCL gets for contexts, comms,
+//! memory handles and requests are tokens recorded in [`handles`] registries,
+//! never reused, and validated on the way back in. No registry lock is held
+//! while libfabric runs. No version number appears here.
 
 pub mod error;
 pub mod handles;
@@ -27,7 +28,7 @@ use crate::mr::{MrCache, Region};
 pub use crate::proto::sendrecv::Done;
 use crate::proto::sendrecv::{heartbeat_period, ListenComm, RecvBuf, RecvComm, SendComm};
 use crate::proto::wire::{self, ListenHandle, HANDLE_SIZE};
-use handles::{RangeRegistry, Registry};
+use handles::Registry;
 
 /// One device with everything shared by its comms.
 #[derive(Debug)]
@@ -69,10 +70,13 @@ pub struct Ctx {
     plugin: Arc<Plugin>,
 }
 
-/// A memory handle: one reference to a cached registration.
+/// A memory handle: one reference to a cached registration, and the range
+/// NCCL registered, which every buffer passed with the handle must lie in.
 #[derive(Debug)]
 pub struct MrHandle {
     dev: usize,
+    addr: usize,
+    len: usize,
     region: Arc<Region<Mr>>,
 }
 
@@ -87,10 +91,13 @@ enum ReqOwner {
 struct Registries {
     ctx: Registry<Ctx>,
     listen: Registry<ListenComm>,
+    /// Send comms whose connect is in progress (not yet handed to NCCL).
+    connecting: Registry<SendComm>,
     send: Registry<SendComm>,
     recv: Registry<RecvComm>,
     mr: Registry<MrHandle>,
-    req: RangeRegistry<ReqOwner>,
+    /// Request spaces -> the comm whose requests they are.
+    req: Registry<ReqOwner>,
 }
 
 /// The plugin while at least one context is live.
@@ -116,12 +123,14 @@ fn plugin() -> Result<Arc<Plugin>> {
 }
 
 /// One heartbeat tick over every connected comm (the keeper's work).
-fn keep_alive(now: Instant) {
+fn keep_alive(now: Instant, pulse: &keeper::Pulse) {
     for c in REG.send.values() {
         c.keepalive(now);
+        pulse.beat();
     }
     for c in REG.recv.values() {
         c.keepalive(now);
+        pulse.beat();
     }
 }
 
@@ -158,6 +167,7 @@ fn start() -> Result<Running> {
 fn teardown(r: Running) {
     drop(r.keeper);
     let left = REG.listen.clear() + REG.send.clear() + REG.recv.clear() + REG.mr.clear();
+    REG.connecting.clear();
     REG.req.clear();
     if left > 0 {
         tracing::warn!(
@@ -283,6 +293,12 @@ pub fn listen(ctx_p: *mut c_void, dev: i32, handle: &mut [u8; HANDLE_SIZE]) -> R
 
 /// `connect(ctx, dev, handle)`: one non-blocking step; `Some` once connected.
 /// `traffic_class` is the v10 per-connect config (None: the context's).
+///
+/// While it is in progress, the comm lives in the `connecting` registry and
+/// its token in the handle's stage area (NCCL passes the same buffer on every
+/// call). A stage naming anything but a connect in progress to this handle's
+/// listener (a handle reused, corrupted or forged) is refused, so `connect`
+/// never hands out a comm twice.
 pub fn connect(
     ctx_p: *mut c_void,
     dev: i32,
@@ -291,39 +307,44 @@ pub fn connect(
 ) -> Result<Option<*mut c_void>> {
     let c = ctx(ctx_p)?;
     let stage = wire::read_stage(handle).map_err(|e| Error::internal(e.to_string()))?;
+    let h = ListenHandle::decode(handle).map_err(|e| Error::internal(e.to_string()))?;
     let (comm, p) = match stage {
         None => {
-            let h = ListenHandle::decode(handle).map_err(|e| Error::internal(e.to_string()))?;
             let d = device(&c.plugin, dev)?;
             let comm = Arc::new(SendComm::start(
                 d,
                 &h,
                 traffic_class.unwrap_or(c.traffic_class),
             )?);
-            let p = REG.send.insert(Arc::clone(&comm));
+            let p = REG.connecting.insert(Arc::clone(&comm));
             wire::write_stage(handle, Some(p as usize));
             (comm, p)
         }
         Some(p) => {
             let p = p as *mut c_void;
-            let comm = REG.send.get(p).ok_or_else(|| {
-                Error::internal("connect: the handle's connect stage names no connect in progress (handle reused or corrupted)")
-            })?;
+            let comm = REG
+                .connecting
+                .get(p)
+                .filter(|comm| comm.listener_nonce == h.nonce)
+                .ok_or_else(|| {
+                    Error::internal(
+                        "connect: the handle's connect stage names no connect in progress to this listener (handle reused or corrupted)",
+                    )
+                })?;
             (comm, p)
         }
     };
     match comm.step_connect() {
         Ok(true) => {
             wire::write_stage(handle, None);
-            REG.req.insert(
-                comm.request_range(),
-                Arc::new(ReqOwner::Send(Arc::clone(&comm))),
-            );
-            Ok(Some(p))
+            REG.connecting.remove(p);
+            REG.req
+                .insert_at(comm.req_space, Arc::new(ReqOwner::Send(Arc::clone(&comm))));
+            Ok(Some(REG.send.insert(comm)))
         }
         Ok(false) => Ok(None),
         Err(e) => {
-            REG.send.remove(p);
+            REG.connecting.remove(p);
             wire::write_stage(handle, None);
             Err(e)
         }
@@ -336,10 +357,8 @@ pub fn accept(listen: *mut c_void) -> Result<Option<*mut c_void>> {
         Error::internal(format!("accept: {listen:p} is not a live Weft listen comm"))
     })?;
     Ok(l.accept()?.map(|comm| {
-        REG.req.insert(
-            comm.request_range(),
-            Arc::new(ReqOwner::Recv(Arc::clone(&comm))),
-        );
+        REG.req
+            .insert_at(comm.req_space, Arc::new(ReqOwner::Recv(Arc::clone(&comm))));
         REG.recv.insert(comm)
     }))
 }
@@ -377,6 +396,8 @@ pub fn reg_mr(
         unsafe { d.mr.register(data as usize, size) }.map_err(|e| Error::system(e.to_string()))?;
     Ok(REG.mr.insert(Arc::new(MrHandle {
         dev: d.index,
+        addr: data as usize,
+        len: size,
         region,
     })))
 }
@@ -398,8 +419,9 @@ pub fn dereg_mr(_comm: *mut c_void, mh: *mut c_void) -> Result<()> {
 }
 
 /// The descriptor for `data..data+size` under `mh` on device `dev`. Every
-/// data buffer must come with the handle it was registered under, so the
-/// buffer itself is validated (it lies in memory NCCL registered).
+/// data buffer must come with the handle it was registered under, and lie
+/// inside the range NCCL registered with it (not merely inside the pages the
+/// registration covers).
 fn desc_for(
     mh: *mut c_void,
     dev: usize,
@@ -412,36 +434,35 @@ fn desc_for(
             "{call}: buffer {data:p} comes without a memory handle (NCCL registers every buffer it passes)"
         )));
     }
-    REG.mr
-        .with(mh, |h| {
-            if h.dev != dev {
-                return Err(Error::internal(format!(
-                    "{call}: memory handle registered on device {} used on device {dev}",
-                    h.dev
-                )));
-            }
-            let r = &h.region;
-            if !r.contains(data as usize, size) {
-                return Err(Error::internal(format!(
-                    "{call}: buffer {data:p} + {size} bytes lies outside its registration {:#x?}",
-                    r.range()
-                )));
-            }
-            Ok(r.desc().desc)
-        })
-        .unwrap_or_else(|| {
-            Err(Error::internal(format!(
-                "{call}: {mh:p} is not a live Weft memory handle"
-            )))
-        })
+    let h = REG.mr.get(mh).ok_or_else(|| {
+        Error::internal(format!(
+            "{call}: {mh:p} is not a live Weft memory handle (deregistered, or not from this plugin)"
+        ))
+    })?;
+    if h.dev != dev {
+        return Err(Error::internal(format!(
+            "{call}: memory handle registered on device {} used on device {dev}",
+            h.dev
+        )));
+    }
+    let (a, end) = (data as usize, (data as usize).checked_add(size));
+    if a < h.addr || end.is_none_or(|e| e > h.addr + h.len) {
+        return Err(Error::internal(format!(
+            "{call}: buffer {data:p} + {size} bytes lies outside its memory handle's registered range {:#x} + {} bytes",
+            h.addr, h.len
+        )));
+    }
+    Ok(h.region.desc().desc)
 }
 
 /// `isend(sendComm, data, size, tag, mhandle, phandle)`: `None` = retry later.
 /// `phandle` (v10+, else NULL) is kept with the request.
-// `data` is validated against its registration before use; `phandle` is an
-// opaque token that is only stored, never dereferenced.
-#[allow(clippy::not_unsafe_ptr_arg_deref)]
-pub fn isend(
+///
+/// # Safety
+/// `data..data+size` must be memory NCCL registered with `mh` and keeps
+/// unchanged until the request is reported done (the range is checked
+/// against the handle; that it is readable is NCCL's promise).
+pub unsafe fn isend(
     comm: *mut c_void,
     data: *mut c_void,
     size: usize,
@@ -449,19 +470,14 @@ pub fn isend(
     mh: *mut c_void,
     phandle: *mut c_void,
 ) -> Result<Option<*mut c_void>> {
-    REG.send
-        .with(comm, |c| {
-            let desc = desc_for(mh, c.dev.index, data.cast(), size, "isend")?;
-            // SAFETY: the buffer lies inside a live registration of NCCL's
-            // memory (checked just above), which NCCL keeps until the
-            // request completes.
-            unsafe { c.isend(data.cast(), size, tag, desc, phandle) }
-        })
-        .unwrap_or_else(|| {
-            Err(Error::internal(format!(
-                "isend: {comm:p} is not a live Weft send comm"
-            )))
-        })
+    let c = REG
+        .send
+        .get(comm)
+        .ok_or_else(|| Error::internal(format!("isend: {comm:p} is not a live Weft send comm")))?;
+    let desc = desc_for(mh, c.dev.index, data.cast(), size, "isend")?;
+    // SAFETY: the buffer lies inside a live registration of NCCL's memory
+    // (checked just above), which NCCL keeps until the request completes.
+    unsafe { c.isend(data.cast(), size, tag, desc, phandle) }
 }
 
 /// One buffer of a grouped receive, as NCCL describes it.
@@ -480,7 +496,12 @@ pub struct RecvArg {
 }
 
 /// `irecv(recvComm, n, ...)`: `None` = retry later.
-pub fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c_void>> {
+///
+/// # Safety
+/// Every buffer must be memory NCCL registered with its handle and keeps
+/// writable until the request is reported done (each range is checked
+/// against its handle; that it is writable is NCCL's promise).
+pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c_void>> {
     if args.is_empty() || args.len() > props::MAX_RECVS {
         return Err(Error::internal(format!(
             "irecv with n = {}: must be 1 ..= {}",
@@ -488,32 +509,27 @@ pub fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c_void>>
             props::MAX_RECVS
         )));
     }
-    REG.recv
-        .with(comm, |c| {
-            let mut bufs = [RecvBuf {
-                data: std::ptr::null_mut(),
-                size: 0,
-                tag: 0,
-                desc: std::ptr::null_mut(),
-                phandle: std::ptr::null_mut(),
-            }; props::MAX_RECVS];
-            for (b, a) in bufs.iter_mut().zip(args) {
-                *b = RecvBuf {
-                    data: a.data.cast(),
-                    size: a.size,
-                    tag: a.tag,
-                    desc: desc_for(a.mhandle, c.dev.index, a.data.cast(), a.size, "irecv")?,
-                    phandle: a.phandle,
-                };
-            }
-            // SAFETY: every buffer lies inside a live registration (checked above).
-            unsafe { c.irecv(&bufs[..args.len()]) }
-        })
-        .unwrap_or_else(|| {
-            Err(Error::internal(format!(
-                "irecv: {comm:p} is not a live Weft receive comm"
-            )))
-        })
+    let c = REG.recv.get(comm).ok_or_else(|| {
+        Error::internal(format!("irecv: {comm:p} is not a live Weft receive comm"))
+    })?;
+    let mut bufs = [RecvBuf {
+        data: std::ptr::null_mut(),
+        size: 0,
+        tag: 0,
+        desc: std::ptr::null_mut(),
+        phandle: std::ptr::null_mut(),
+    }; props::MAX_RECVS];
+    for (b, a) in bufs.iter_mut().zip(args) {
+        *b = RecvBuf {
+            data: a.data.cast(),
+            size: a.size,
+            tag: a.tag,
+            desc: desc_for(a.mhandle, c.dev.index, a.data.cast(), a.size, "irecv")?,
+            phandle: a.phandle,
+        };
+    }
+    // SAFETY: every buffer lies inside a live registration (checked above).
+    unsafe { c.irecv(&bufs[..args.len()]) }
 }
 
 /// `iflush(recvComm, ...)`: host memory needs no flush, so the request is
@@ -535,16 +551,17 @@ pub fn iflush(comm: *mut c_void, n: usize) -> Result<Option<*mut c_void>> {
 
 /// `test(request)`: `Some` once done (the request is then freed).
 pub fn test(req: *mut c_void) -> Result<Option<Done>> {
-    REG.req
-        .with(req, |owner| match owner {
-            ReqOwner::Send(c) => c.test(req.cast()),
-            ReqOwner::Recv(c) => c.test(req.cast()),
-        })
-        .unwrap_or_else(|| {
-            Err(Error::internal(format!(
-                "test: {req:p} is not a Weft request (stale or foreign pointer)"
-            )))
-        })
+    let not_ours = || {
+        Error::internal(format!(
+            "test: {req:p} is not a Weft request (stale or foreign pointer)"
+        ))
+    };
+    let (space, slot, gen) = handles::req_parts(req).ok_or_else(not_ours)?;
+    match &*REG.req.get_at(space).ok_or_else(not_ours)? {
+        ReqOwner::Send(c) => c.test(slot, gen),
+        ReqOwner::Recv(c) => c.test(slot, gen),
+    }
+    .map_err(|e| e.context(format!("test({req:p})")))
 }
 
 /// `closeSend`.
@@ -552,7 +569,7 @@ pub fn close_send(comm: *mut c_void) -> Result<()> {
     let c = REG.send.remove(comm).ok_or_else(|| {
         Error::internal(format!("closeSend: {comm:p} is not a live Weft send comm"))
     })?;
-    REG.req.remove(c.request_range().start);
+    REG.req.remove_at(c.req_space);
     Ok(())
 }
 
@@ -563,7 +580,7 @@ pub fn close_recv(comm: *mut c_void) -> Result<()> {
             "closeRecv: {comm:p} is not a live Weft receive comm"
         ))
     })?;
-    REG.req.remove(c.request_range().start);
+    REG.req.remove_at(c.req_space);
     Ok(())
 }
 
@@ -602,6 +619,25 @@ pub fn device_stats(dev: i32) -> Result<DeviceStats> {
 /// so pointers into them stay valid for NCCL).
 pub fn with_properties<T>(dev: i32, f: impl FnOnce(&Properties) -> Result<T>) -> Result<T> {
     f(&device(&*plugin()?, dev)?.props)
+}
+
+/// Test hook: holds the state lock of send or receive comm `comm`, as a
+/// keeper stuck inside the provider would, until `release` fires; `held` is
+/// signalled once it is held. NCCL's calls on that comm must not wait.
+#[doc(hidden)]
+pub fn hold_comm_for_test(
+    comm: *mut c_void,
+    held: &std::sync::mpsc::Sender<()>,
+    release: &std::sync::mpsc::Receiver<()>,
+) -> Result<()> {
+    if let Some(c) = REG.send.get(comm) {
+        c.hold(held, release);
+    } else if let Some(c) = REG.recv.get(comm) {
+        c.hold(held, release);
+    } else {
+        return Err(Error::internal(format!("{comm:p} is not a live comm")));
+    }
+    Ok(())
 }
 
 /// Checks that `ctx` is a live context.

@@ -10,10 +10,13 @@ use crate::freelist::{Freelist, FreelistError, HostPages, NoRegistration, Params
 /// carry a sub-operation index in libfabric contexts.
 pub const SLOT_ALIGN: usize = 64;
 
-/// `max` slots of `T` in one block of host pages.
+/// `max` slots of `T` in one block of host pages. Each slot has a
+/// generation that grows when it is freed, so a handle that names a slot and
+/// its generation goes stale when the slot is reused.
 pub struct Pool<T: Copy> {
     list: Freelist<HostPages, NoRegistration>,
     live: Vec<bool>,
+    gens: Vec<u32>,
     range: std::ops::Range<usize>,
     _t: PhantomData<T>,
 }
@@ -52,6 +55,7 @@ impl<T: Copy> Pool<T> {
         Ok(Self {
             list,
             live: vec![false; max],
+            gens: vec![0; max],
             range,
             _t: PhantomData,
         })
@@ -89,6 +93,11 @@ impl<T: Copy> Pool<T> {
         self.list.elem_at(i).map(|e| e.ptr.cast())
     }
 
+    /// Slot `i`'s generation (counts the times it was freed).
+    pub fn gen(&self, i: u32) -> u32 {
+        self.gens.get(i as usize).copied().unwrap_or(0)
+    }
+
     /// A live slot's value.
     pub fn get_mut(&mut self, i: u32) -> Option<&mut T> {
         if !*self.live.get(i as usize)? {
@@ -109,6 +118,7 @@ impl<T: Copy> Pool<T> {
             return false;
         };
         self.live[i as usize] = false;
+        self.gens[i as usize] = self.gens[i as usize].wrapping_add(1);
         self.list.free(e);
         true
     }
@@ -157,7 +167,13 @@ mod tests {
         let rest: Vec<_> = (0..3).map(|i| p.insert([i; 3]).unwrap()).collect();
         assert!(p.insert([0; 3]).is_none(), "bounded");
         assert_eq!(p.get_mut(ia).copied(), Some([1, 2, 3]));
+        let g = p.gen(ia);
         assert!(p.release(ia));
+        assert_eq!(
+            p.gen(ia),
+            g + 1,
+            "freeing a slot makes its old handles stale"
+        );
         assert!(p.get_mut(ia).is_none(), "freed slot is not live");
         assert!(!p.release(ia), "no double free");
         assert_eq!(p.in_use(), 3);

@@ -42,15 +42,18 @@
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use libfabric_sys as fi;
 
 use super::wire::{Ctrl, ListenHandle, CTRL_MAX};
+use crate::core::handles;
 use crate::core::pool::{Pool, SLOT_ALIGN};
 use crate::core::props::{MAX_RECVS, MAX_REQUESTS};
 use crate::core::{DeviceState, Error, Result};
+use crate::fabric::local::{self, LocalEp, Locality};
 use crate::fabric::DomainRegistrar;
 use crate::fabric::{Completion, CompletionError, Cq, CqError, Endpoint, FiAddr, FiError};
 use crate::freelist::{Elem, Freelist, HostPages, Params};
@@ -69,6 +72,18 @@ const CTRL_POSTED: usize = 4;
 const CQ_BATCH: usize = 16;
 /// `ReqErr::fi_err` of requests failed because their peer died.
 const PEER_DEAD: u32 = 0;
+/// Handshakes a listener keeps pending at once. NCCL connects one peer to
+/// each listener; more are tolerated, and beyond this a new `Conn` evicts the
+/// oldest pending handshake (with a warning), so forged ones cannot grow a
+/// listener. A real peer confirms within a round trip of its Ack, and its
+/// connect repeats `Conn` every heartbeat period until answered, so a flood
+/// delays it rather than locking it out.
+pub const MAX_PENDING: usize = 4;
+/// Connection nonces a listener remembers as accepted (a late repeat of their
+/// `Conn` is ignored).
+const ACCEPTED_MEMORY: usize = 16;
+/// How often a comm's lock is tried before the keeper skips it for a tick.
+const KEEPER_TRIES: u32 = 64;
 
 /// How often each end of a comm says it is alive: an eighth of the peer
 /// timeout, so a live peer gets seven chances within one timeout.
@@ -78,6 +93,30 @@ pub fn heartbeat_period(peer_timeout: Duration) -> Duration {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A comm's state for a data-path call (`isend`, `irecv`, `test`), or `None`
+/// while another thread holds it: the call then answers "not yet" (a NULL
+/// request, not done) instead of waiting, so NCCL's progress thread never
+/// blocks behind the keeper, even one stuck inside the provider.
+fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
+}
+
+/// The keeper's way in: a few tries, then the comm is skipped for this tick
+/// (NCCL's thread is using it, and what it does keeps the peer informed).
+fn keeper_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    for _ in 0..KEEPER_TRIES {
+        if let Some(g) = try_lock(m) {
+            return Some(g);
+        }
+        std::thread::yield_now();
+    }
+    None
 }
 
 /// A random 64-bit nonce from the kernel.
@@ -102,6 +141,9 @@ fn open_endpoint(dev: &DeviceState) -> Result<Endpoint> {
 struct CtrlBufs {
     list: Freelist<HostPages, DomainRegistrar>,
     posted: Vec<Elem>,
+    /// Buffers the provider refused to take back for now (FI_EAGAIN),
+    /// reposted at the next progress.
+    unposted: Vec<usize>,
 }
 
 impl CtrlBufs {
@@ -121,14 +163,38 @@ impl CtrlBufs {
         for _ in 0..CTRL_POSTED {
             posted.push(list.alloc().map_err(|e| Error::system(e.to_string()))?);
         }
-        let me = Self { list, posted };
+        let mut me = Self {
+            list,
+            posted,
+            unposted: Vec::new(),
+        };
         for i in 0..CTRL_POSTED {
-            me.post(ep, i)?;
+            me.repost(ep, i)?;
         }
         Ok(me)
     }
 
-    fn post(&self, ep: &Endpoint, i: usize) -> Result<()> {
+    /// Posts buffer `i` again; when the provider says "not now" it is kept
+    /// for [`CtrlBufs::repost_waiting`] (a retryable condition is no error).
+    fn repost(&mut self, ep: &Endpoint, i: usize) -> Result<()> {
+        match self.post(ep, i) {
+            Err(e) if e.is_again() => {
+                self.unposted.push(i);
+                Ok(())
+            }
+            r => r.map_err(Error::from),
+        }
+    }
+
+    /// Retries the buffers that could not be posted yet.
+    fn repost_waiting(&mut self, ep: &Endpoint) -> Result<()> {
+        for i in std::mem::take(&mut self.unposted) {
+            self.repost(ep, i)?;
+        }
+        Ok(())
+    }
+
+    fn post(&self, ep: &Endpoint, i: usize) -> std::result::Result<(), FiError> {
         let e = &self.posted[i];
         let desc = e.mr.map_or(std::ptr::null_mut(), |m| m.desc);
         // SAFETY: the buffer is CTRL_MAX bytes of registered memory owned by
@@ -145,7 +211,6 @@ impl CtrlBufs {
                 e.ptr.as_ptr().cast(),
             )
         }
-        .map_err(Error::from)
     }
 
     /// Which posted buffer a completion context names.
@@ -170,17 +235,70 @@ impl Drop for CtrlBufs {
     }
 }
 
+/// A peer endpoint: its address in a comm's AV and, when it lives in this
+/// process, its record there (see [`crate::fabric::local`]).
+struct Peer {
+    addr: FiAddr,
+    local: Option<Arc<LocalEp>>,
+}
+
+impl Peer {
+    const NONE: Peer = Peer {
+        addr: fi::FI_ADDR_NOTAVAIL,
+        local: None,
+    };
+
+    /// Inserts a peer's endpoint name into `ep`'s AV. The name was checked
+    /// against the domain's address format by the AV; an endpoint of this
+    /// process that is already closed is refused.
+    fn insert(ep: &Endpoint, name: &[u8]) -> std::result::Result<Self, FiError> {
+        let local = match local::locate(name) {
+            Locality::Closed => return Err(closed_peer("fi_av_insert")),
+            Locality::Local(l) => Some(l),
+            Locality::Remote => None,
+        };
+        Ok(Self {
+            addr: ep.av().insert(name)?,
+            local,
+        })
+    }
+
+    /// Runs a send to this peer. A peer in this process is kept open while
+    /// it runs; a closed one is an error, never a send (shm crashes on those).
+    fn send(
+        &self,
+        call: &'static str,
+        f: impl FnOnce(FiAddr) -> std::result::Result<(), FiError>,
+    ) -> std::result::Result<(), FiError> {
+        match &self.local {
+            None => f(self.addr),
+            Some(l) => {
+                let _open = l.open_guard().ok_or_else(|| closed_peer(call))?;
+                f(self.addr)
+            }
+        }
+    }
+}
+
+fn closed_peer(call: &'static str) -> FiError {
+    FiError {
+        call,
+        code: fi::FI_ENOTCONN,
+        text: "the peer endpoint, in this same process, was closed".to_owned(),
+    }
+}
+
 /// Injects a control message.
-fn send_ctrl(ep: &Endpoint, to: FiAddr, msg: &Ctrl) -> std::result::Result<(), FiError> {
+fn send_ctrl(ep: &Endpoint, to: &Peer, msg: &Ctrl) -> std::result::Result<(), FiError> {
     let mut b = [0u8; CTRL_MAX];
     let n = msg.encode(&mut b);
-    ep.tinject(&b[..n], to, CTRL_TAG)
+    to.send("fi_tinject", |a| ep.tinject(&b[..n], a, CTRL_TAG))
 }
 
 /// A comm's view of its peer: where it is and whether it still answers.
 struct Link {
-    /// The peer's address in this comm's AV.
-    addr: FiAddr,
+    /// The peer.
+    peer: Peer,
     /// The peer's address in words, for log lines and errors.
     name: String,
     /// Something arrived from the peer since the keeper last looked (set on
@@ -197,7 +315,7 @@ struct Link {
 impl Link {
     fn new() -> Self {
         Self {
-            addr: fi::FI_ADDR_NOTAVAIL,
+            peer: Peer::NONE,
             name: "(not connected)".to_owned(),
             heard: false,
             last_heard: Instant::now(),
@@ -207,11 +325,11 @@ impl Link {
     }
 
     /// Records the peer's endpoint name; its life is counted from now.
-    fn connect(&mut self, ep: &Endpoint, name: &[u8]) -> std::result::Result<FiAddr, FiError> {
-        self.addr = ep.av().insert(name)?;
+    fn connect(&mut self, ep: &Endpoint, name: &[u8]) -> std::result::Result<(), FiError> {
+        self.peer = Peer::insert(ep, name)?;
         self.name = ep.av().straddr(name);
         self.last_heard = Instant::now();
-        Ok(self.addr)
+        Ok(())
     }
 
     /// An error if the peer was declared dead.
@@ -232,31 +350,30 @@ trait Side {
     /// True once the link has a peer.
     fn linked(&self) -> bool;
     /// The endpoint, requests and link, borrowed together.
-    fn parts(&mut self) -> (&Endpoint, &mut Pool<Request>, &mut Link);
+    fn parts(&mut self) -> (&mut Endpoint, &mut Pool<Request>, &mut Link);
     /// Reads the CQ and applies what it holds.
     fn progress(&mut self) -> Result<()>;
 }
 
-/// Declares the peer dead: fails every request in flight, cancels what is
-/// posted, and logs one WARN naming the peer.
+/// Declares the peer dead: closes the comm's endpoint, then fails every
+/// request in flight, and logs one WARN naming the peer.
+///
+/// The endpoint is closed first so that a request is reported failed only
+/// when the provider owns none of its buffers any more: NCCL may free or
+/// reuse them as soon as `test` says so. (Cancelling would not do: rxm cannot
+/// cancel a send, and a send to a hung peer may never complete.)
 fn die<S: Side>(st: &mut S, why: String) {
     let (ep, reqs, link) = st.parts();
     if link.dead.is_some() {
         return;
     }
+    ep.shutdown();
     let mut failed = 0;
     let live: Vec<u32> = reqs.live().collect();
     for i in live {
-        let slot = reqs.ptr(i).map_or(0, |p| p.as_ptr() as usize);
         let Some(r) = reqs.get_mut(i) else { continue };
         if r.remaining == 0 {
             continue;
-        }
-        for sub in 0..r.n {
-            // SAFETY: the context is the one this request's operation was
-            // posted with; cancelling an operation that already finished, or
-            // was never posted, is a harmless error.
-            let _ = unsafe { ep.cancel((slot + usize::from(sub)) as *mut c_void) };
         }
         if r.err.is_none() {
             r.err = Some(ReqErr {
@@ -295,7 +412,7 @@ fn keepalive<S: Side>(st: &mut S, timeout: Duration, now: Instant) {
         .last_said
         .is_none_or(|t| now.saturating_duration_since(t) >= period)
     {
-        match send_ctrl(ep, link.addr, &Ctrl::Alive) {
+        match send_ctrl(ep, &link.peer, &Ctrl::Alive) {
             Ok(()) => link.last_said = Some(now),
             Err(e) if e.is_again() => {}
             Err(e) => {
@@ -455,27 +572,50 @@ enum Event<'a> {
     Failed(CompletionError),
 }
 
+/// What [`drain`] reads: a CQ (or, in tests, a scripted queue).
+trait CqSource {
+    fn read(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError>;
+}
+
+impl CqSource for Cq {
+    fn read(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
+        Cq::read(self, out)
+    }
+}
+
 /// Reads `cq` until it is empty, handing every entry to `on`. Reading is
 /// also what drives progress for rxm and shm, and on tcp every read is a
 /// `poll` system call: a read that returns fewer entries than asked for
-/// emptied the queue, so it is the last.
-fn drain(cq: &Cq, mut on: impl FnMut(Event<'_>) -> Result<()>) -> Result<()> {
+/// emptied the queue, so it is the last. Every completion read is applied
+/// even when one of them fails (a completion read is gone from the queue);
+/// the first error is returned after the batch.
+fn drain(cq: &(impl CqSource + ?Sized), mut on: impl FnMut(Event<'_>) -> Result<()>) -> Result<()> {
     let mut c = [Completion::default(); CQ_BATCH];
+    let mut first_err = None;
+    let mut keep = |r: Result<()>| {
+        if let Err(e) = r {
+            first_err.get_or_insert(e);
+        }
+    };
     loop {
         match cq.read(&mut c) {
-            Ok(0) => return Ok(()),
+            Ok(0) => break,
             Ok(n) => {
                 for comp in &c[..n] {
-                    on(Event::Done(comp))?;
+                    keep(on(Event::Done(comp)));
                 }
                 if n < c.len() {
-                    return Ok(());
+                    break;
                 }
             }
-            Err(CqError::Completion(e)) => on(Event::Failed(e))?,
-            Err(CqError::Fi(e)) => return Err(e.into()),
+            Err(CqError::Completion(e)) => keep(on(Event::Failed(e))),
+            Err(CqError::Fi(e)) => {
+                keep(Err(e.into()));
+                break;
+            }
         }
     }
+    first_err.map_or(Ok(()), Err)
 }
 
 /// Applies one completion, or failure, to the request its context names.
@@ -517,7 +657,8 @@ pub struct ListenComm {
 /// A connection being accepted.
 struct Pending {
     comm: Arc<RecvComm>,
-    to: FiAddr,
+    /// The connecting side's nonce (a repeated `Conn` is ignored).
+    conn: u64,
     /// The Ack, until it is sent; then the connecting side's first word is awaited.
     ack: Option<Ctrl>,
     deadline: Instant,
@@ -527,7 +668,13 @@ struct ListenState {
     // Field order is drop order: the endpoint closes before its buffers go.
     ep: Endpoint,
     ctrl: CtrlBufs,
+    /// Oldest first.
     pending: Vec<Pending>,
+    /// Recently accepted connection nonces, oldest first.
+    accepted: VecDeque<u64>,
+    /// Why the last handshake failed, reported by `accept` once nothing
+    /// else is pending.
+    failed: Option<String>,
 }
 
 impl std::fmt::Debug for ListenComm {
@@ -553,6 +700,8 @@ impl ListenComm {
                     ep,
                     ctrl,
                     pending: Vec::new(),
+                    accepted: VecDeque::new(),
+                    failed: None,
                 }),
             },
             handle,
@@ -568,43 +717,104 @@ impl ListenComm {
             ));
         };
         let msg = Ctrl::decode(st.ctrl.bytes(i, comp.len));
-        st.ctrl.post(&st.ep, i)?;
+        st.ctrl.repost(&st.ep, i)?;
+        let dev = self.dev.index;
         match msg {
             Ok(Ctrl::Conn { listener, conn, addr }) if listener == self.nonce => {
+                if st.pending.iter().any(|p| p.conn == conn) || st.accepted.contains(&conn) {
+                    tracing::debug!("listener on device {dev}: ignored a repeated Conn");
+                    return Ok(());
+                }
+                if let Some(check) = self.dev.domain.check_addr(&addr).err() {
+                    tracing::warn!(
+                        "listener on device {dev}: dropped a connection request with an unusable address: {check}"
+                    );
+                    return Ok(());
+                }
+                if st.pending.len() >= MAX_PENDING {
+                    st.pending.remove(0);
+                    tracing::warn!(
+                        "listener on device {dev}: {MAX_PENDING} handshakes pending; dropped the oldest for a new one \
+                         (NCCL connects one peer per listener: is something sending forged connection requests?)"
+                    );
+                }
                 let comm = Arc::new(RecvComm::open(Arc::clone(&self.dev))?);
-                let (to, name) = {
+                let name = {
                     let rs = &mut *lock(&comm.inner);
-                    let to = rs.link.connect(&rs.ep, &addr).map_err(|e| {
-                        Error::remote(format!("connecting peer sent an unusable address: {e}"))
-                    })?;
-                    (to, rs.ep.name()?)
+                    if let Err(e) = rs.link.connect(&rs.ep, &addr) {
+                        tracing::warn!(
+                            "listener on device {dev}: dropped a connection request with an unusable address: {e}"
+                        );
+                        return Ok(());
+                    }
+                    rs.ep.name()?
                 };
                 st.pending.push(Pending {
                     comm,
-                    to,
+                    conn,
                     ack: Some(Ctrl::Ack { conn, credits: CREDITS, addr: name }),
                     deadline: Instant::now() + self.dev.peer_timeout,
                 });
             }
             Ok(Ctrl::Conn { listener, .. }) => tracing::warn!(
-                "listener on device {}: ignored a connection meant for listener {listener:#x} (stale handle?)",
-                self.dev.index
+                "listener on device {dev}: ignored a connection meant for listener {listener:#x} (stale handle?)"
             ),
             Ok(other) => tracing::warn!("listener: ignored unexpected control message {other:?}"),
             Err(e) => tracing::warn!(
-                "listener on device {}: ignored a bad handshake message: {e}",
-                self.dev.index
+                "listener on device {dev}: ignored a bad handshake message: {e}"
             ),
         }
         Ok(())
     }
 
-    /// One accept step: a receive comm when a connection is complete.
+    /// One step of pending handshake `p`: `Ok(true)` once its peer
+    /// confirmed, `Err` (with the reason) when it failed or expired.
+    fn step_pending(&self, p: &mut Pending, now: Instant) -> std::result::Result<bool, String> {
+        let rs = &mut *lock(&p.comm.inner);
+        if let Some(ack) = &p.ack {
+            match send_ctrl(&rs.ep, &rs.link.peer, ack) {
+                Ok(()) => p.ack = None,
+                Err(e) if e.is_again() => {}
+                Err(e) => {
+                    return Err(format!(
+                        "accept: cannot answer the connecting peer {}: {e}",
+                        rs.link.name
+                    ))
+                }
+            }
+        }
+        // Let the new endpoint make progress on its connection.
+        rs.progress()
+            .map_err(|e| format!("accept: handshake with {} failed: {e}", rs.link.name))?;
+        let answered = p.ack.is_none();
+        if answered && rs.link.heard {
+            return Ok(true);
+        }
+        if now > p.deadline {
+            let stage = if answered {
+                "never confirmed the connection"
+            } else {
+                "could not be answered"
+            };
+            return Err(format!(
+                "accept: the connecting peer {} {stage} within {:.1} s (WEFT_PEER_TIMEOUT): its process died or hangs",
+                rs.link.name,
+                self.dev.peer_timeout.as_secs_f64()
+            ));
+        }
+        Ok(false)
+    }
+
+    /// One accept step: a receive comm when a connection is complete. A
+    /// handshake that fails or expires is dropped with a warning, and the
+    /// others carry on; `accept` reports the failure only when nothing else
+    /// is pending (NCCL connects one peer per listener, so that peer died).
     pub fn accept(&self) -> Result<Option<Arc<RecvComm>>> {
         let mut st = lock(&self.inner);
         let st = &mut *st;
+        st.ctrl.repost_waiting(&st.ep)?;
         let cq = Arc::clone(st.ep.cq());
-        drain(&cq, |ev| match ev {
+        drain(&*cq, |ev| match ev {
             Event::Done(comp) => self.on_conn(st, comp),
             Event::Failed(e) => {
                 // A control receive failed (e.g. an oversized message):
@@ -614,57 +824,35 @@ impl ListenComm {
                     self.dev.index
                 );
                 match st.ctrl.find(e.context) {
-                    Some(i) => st.ctrl.post(&st.ep, i),
+                    Some(i) => st.ctrl.repost(&st.ep, i),
                     None => Ok(()),
                 }
             }
         })?;
-        // Send the Acks that are due; hand out comms whose peer answered.
         let now = Instant::now();
-        for i in 0..st.pending.len() {
-            let comm = Arc::clone(&st.pending[i].comm);
-            let mut guard = lock(&comm.inner);
-            let rs = &mut *guard;
-            let p = &mut st.pending[i];
-            if let Some(ack) = &p.ack {
-                match send_ctrl(&rs.ep, p.to, ack) {
-                    Ok(()) => p.ack = None,
-                    Err(e) if e.is_again() => {}
-                    Err(e) => {
-                        st.pending.swap_remove(i);
-                        return Err(Error::remote(format!(
-                            "accept: cannot answer the connecting peer {}: {e}",
-                            rs.link.name
-                        )));
+        let mut i = 0;
+        while i < st.pending.len() {
+            match self.step_pending(&mut st.pending[i], now) {
+                Ok(true) => {
+                    let p = st.pending.remove(i);
+                    st.accepted.push_back(p.conn);
+                    if st.accepted.len() > ACCEPTED_MEMORY {
+                        st.accepted.pop_front();
                     }
+                    return Ok(Some(p.comm));
+                }
+                Ok(false) => i += 1,
+                Err(why) => {
+                    tracing::warn!("{why}");
+                    st.pending.remove(i);
+                    st.failed = Some(why);
                 }
             }
-            // Let the new endpoint make progress on its connection.
-            rs.progress()?;
-            let answered = p.ack.is_none();
-            if answered && rs.link.heard {
-                drop(guard);
-                st.pending.swap_remove(i);
-                return Ok(Some(comm));
-            }
-            if now > p.deadline {
-                let stage = if answered {
-                    "never confirmed the connection"
-                } else {
-                    "could not be answered"
-                };
-                let msg = format!(
-                    "accept: the connecting peer {} {stage} within {:.1} s (WEFT_PEER_TIMEOUT): its process died or hangs",
-                    rs.link.name,
-                    self.dev.peer_timeout.as_secs_f64()
-                );
-                drop(guard);
-                st.pending.swap_remove(i);
-                tracing::warn!("{msg}");
-                return Err(Error::remote(msg));
-            }
         }
-        Ok(None)
+        match st.failed.take() {
+            Some(why) if st.pending.is_empty() => Err(Error::remote(why)),
+            _ => Ok(None),
+        }
     }
 }
 
@@ -683,6 +871,10 @@ pub struct SendComm {
     /// NCCL's traffic class for this connection (-1: undefined). Kept; no
     /// provider in use here applies one.
     pub traffic_class: i32,
+    /// The request space of this comm's request tokens.
+    pub(crate) req_space: u64,
+    /// The nonce of the listener it connects to (from NCCL's handle).
+    pub(crate) listener_nonce: u64,
     inner: Mutex<SendState>,
 }
 
@@ -691,13 +883,16 @@ struct SendState {
     ctrl: CtrlBufs,
     reqs: Pool<Request>,
     phase: Phase,
-    listener: FiAddr,
+    listener: Peer,
     listener_nonce: u64,
     conn: u64,
     link: Link,
     credits: u32,
     max_credits: u32,
     deadline: Instant,
+    /// When `Conn` was last sent (it is repeated every heartbeat period
+    /// until the Ack comes).
+    conn_sent: Option<Instant>,
     eager: usize,
 }
 
@@ -712,8 +907,12 @@ impl SendComm {
     pub fn start(dev: Arc<DeviceState>, handle: &ListenHandle, traffic_class: i32) -> Result<Self> {
         let ep = open_endpoint(&dev)?;
         let ctrl = CtrlBufs::new(&dev, &ep)?;
-        let listener = ep.av().insert(&handle.addr).map_err(|e| {
-            Error::internal(format!("the handle's listener address is unusable: {e}"))
+        let listener = Peer::insert(&ep, &handle.addr).map_err(|e| {
+            if e.code == fi::FI_ENOTCONN {
+                Error::remote(format!("connect: the listener is gone: {e}"))
+            } else {
+                Error::internal(format!("the handle's listener address is unusable: {e}"))
+            }
         })?;
         let reqs = Pool::new(MAX_REQUESTS * MAX_RECVS).map_err(|e| Error::system(e.to_string()))?;
         let eager = dev.eager_size.min(dev.dev.inject_size);
@@ -721,6 +920,8 @@ impl SendComm {
         Ok(Self {
             dev,
             traffic_class,
+            req_space: handles::serial(),
+            listener_nonce: handle.nonce,
             inner: Mutex::new(SendState {
                 ep,
                 ctrl,
@@ -733,27 +934,31 @@ impl SendComm {
                 credits: 0,
                 max_credits: 0,
                 deadline,
+                conn_sent: None,
                 eager,
             }),
         })
     }
 
-    /// The address range of this comm's requests.
-    pub fn request_range(&self) -> std::ops::Range<usize> {
-        lock(&self.inner).reqs.range()
-    }
-
     /// One connect step: `Ok(true)` once connected.
     pub fn step_connect(&self) -> Result<bool> {
         let mut st = lock(&self.inner);
-        if st.phase == Phase::SendConn {
+        let now = Instant::now();
+        let resend = st.phase == Phase::AwaitAck
+            && st.conn_sent.is_some_and(|t| {
+                now.saturating_duration_since(t) >= heartbeat_period(self.dev.peer_timeout)
+            });
+        if st.phase == Phase::SendConn || resend {
             let msg = Ctrl::Conn {
                 listener: st.listener_nonce,
                 conn: st.conn,
                 addr: st.ep.name()?,
             };
-            match send_ctrl(&st.ep, st.listener, &msg) {
-                Ok(()) => st.phase = Phase::AwaitAck,
+            match send_ctrl(&st.ep, &st.listener, &msg) {
+                Ok(()) => {
+                    st.phase = Phase::AwaitAck;
+                    st.conn_sent = Some(now);
+                }
                 Err(e) if e.is_again() => {}
                 Err(e) => {
                     return Err(Error::remote(format!(
@@ -788,7 +993,9 @@ impl SendComm {
         desc: *mut c_void,
         phandle: *mut c_void,
     ) -> Result<Option<*mut c_void>> {
-        let mut st = lock(&self.inner);
+        let Some(mut st) = try_lock(&self.inner) else {
+            return Ok(None);
+        };
         if st.phase != Phase::Ready {
             return Err(Error::internal(
                 "isend on a comm whose connect has not finished",
@@ -826,23 +1033,27 @@ impl SendComm {
             return Ok(None);
         };
         let tag = u64::from(tag as u32);
+        let SendState { ep, link, .. } = &*st;
         let posted = if inject {
             // SAFETY: NCCL guarantees `data..data+size` is readable (checked
             // against its registration by the caller); fi_tinject copies it now.
             let bytes = unsafe { std::slice::from_raw_parts(data, size) };
-            st.ep.tinject(bytes, st.link.addr, tag)
+            link.peer.send("fi_tinject", |a| ep.tinject(bytes, a, tag))
         } else {
-            // SAFETY: the buffer stays valid until NCCL sees the request done,
-            // which is after its completion; ptr is this request's slot.
-            unsafe {
-                st.ep
-                    .tsend(data, size, desc, st.link.addr, tag, ptr.as_ptr().cast())
-            }
+            link.peer.send("fi_tsend", |a| {
+                // SAFETY: the buffer stays valid until NCCL sees the request
+                // done, which is after its completion; ptr is this request's slot.
+                unsafe { ep.tsend(data, size, desc, a, tag, ptr.as_ptr().cast()) }
+            })
         };
         match posted {
             Ok(()) => {
                 st.credits -= 1;
-                Ok(Some(ptr.as_ptr().cast()))
+                Ok(Some(handles::req_token(
+                    self.req_space,
+                    idx,
+                    st.reqs.gen(idx),
+                )))
             }
             Err(e) => {
                 st.reqs.release(idx);
@@ -856,14 +1067,20 @@ impl SendComm {
         }
     }
 
-    /// Tests a request of this comm.
-    pub fn test(&self, req: *const u8) -> Result<Option<Done>> {
-        test_side(&mut *lock(&self.inner), req)
+    /// Holds this comm's state lock until `release` fires (see [`hold`]).
+    #[doc(hidden)]
+    pub fn hold(&self, held: &Sender<()>, release: &Receiver<()>) {
+        hold(&self.inner, held, release);
+    }
+
+    /// Tests request `slot` (of generation `gen`) of this comm.
+    pub fn test(&self, slot: u32, gen: u32) -> Result<Option<Done>> {
+        test_locked(&self.inner, slot, gen)
     }
 
     /// One heartbeat tick (keeper thread).
     pub fn keepalive(&self, now: Instant) {
-        keepalive(&mut *lock(&self.inner), self.dev.peer_timeout, now);
+        keepalive_locked(&self.inner, self.dev.peer_timeout, now);
     }
 }
 
@@ -873,8 +1090,8 @@ impl Side for SendState {
     fn linked(&self) -> bool {
         self.phase == Phase::Ready
     }
-    fn parts(&mut self) -> (&Endpoint, &mut Pool<Request>, &mut Link) {
-        (&self.ep, &mut self.reqs, &mut self.link)
+    fn parts(&mut self) -> (&mut Endpoint, &mut Pool<Request>, &mut Link) {
+        (&mut self.ep, &mut self.reqs, &mut self.link)
     }
     fn progress(&mut self) -> Result<()> {
         SendState::progress(self)
@@ -883,8 +1100,9 @@ impl Side for SendState {
 
 impl SendState {
     fn progress(&mut self) -> Result<()> {
+        self.ctrl.repost_waiting(&self.ep)?;
         let cq = Arc::clone(self.ep.cq());
-        drain(&cq, |ev| match ev {
+        drain(&*cq, |ev| match ev {
             Event::Done(c) if c.flags & u64::from(fi::FI_RECV) != 0 => {
                 self.link.heard = true;
                 self.on_ctrl(c)
@@ -893,7 +1111,7 @@ impl SendState {
             Event::Failed(e) => match self.ctrl.find(e.context) {
                 Some(i) => {
                     tracing::warn!("send comm: dropped a bad control message: {e}");
-                    self.ctrl.post(&self.ep, i)
+                    self.ctrl.repost(&self.ep, i)
                 }
                 None => complete(
                     &mut self.reqs,
@@ -912,7 +1130,7 @@ impl SendState {
             ));
         };
         let msg = Ctrl::decode(self.ctrl.bytes(i, comp.len));
-        self.ctrl.post(&self.ep, i)?;
+        self.ctrl.repost(&self.ep, i)?;
         match msg {
             Ok(Ctrl::Credit { count }) if self.phase == Phase::Ready => {
                 // A peer can never grant more than it announced.
@@ -924,15 +1142,16 @@ impl SendState {
                 credits,
                 addr,
             }) if self.phase == Phase::AwaitAck && conn == self.conn => {
-                let to = self.link.connect(&self.ep, &addr).map_err(|e| {
-                    Error::remote(format!("the accepting peer sent an unusable address: {e}"))
-                })?;
+                if let Err(e) = self.link.connect(&self.ep, &addr) {
+                    tracing::warn!("send comm: ignored an Ack with an unusable address: {e}");
+                    return Ok(());
+                }
                 self.max_credits = credits.clamp(1, CREDITS);
                 self.credits = self.max_credits;
                 self.phase = Phase::Ready;
                 // The first Alive confirms the connection to `accept`; when
                 // the provider is busy the keeper sends it on its next tick.
-                match send_ctrl(&self.ep, to, &Ctrl::Alive) {
+                match send_ctrl(&self.ep, &self.link.peer, &Ctrl::Alive) {
                     Ok(()) => self.link.last_said = Some(Instant::now()),
                     Err(e) if e.is_again() => {}
                     Err(e) => {
@@ -950,25 +1169,57 @@ impl SendState {
     }
 }
 
+/// Holds a comm's state lock until `release` fires (or its sender goes),
+/// signalling `held` once it is held: what a keeper stuck inside the
+/// provider does. For tests of the data path's independence.
+fn hold<S>(m: &Mutex<S>, held: &Sender<()>, release: &Receiver<()>) {
+    let _st = lock(m);
+    let _ = held.send(());
+    let _ = release.recv();
+}
+
+/// `test` through a comm's state lock: "not done" while another thread
+/// holds it.
+fn test_locked<S: Side>(m: &Mutex<S>, slot: u32, gen: u32) -> Result<Option<Done>> {
+    match try_lock(m) {
+        Some(mut st) => test_side(&mut *st, slot, gen),
+        None => Ok(None),
+    }
+}
+
+/// A heartbeat tick through a comm's state lock; skipped while busy.
+fn keepalive_locked<S: Side>(m: &Mutex<S>, timeout: Duration, now: Instant) {
+    if let Some(mut st) = keeper_lock(m) {
+        keepalive(&mut *st, timeout, now);
+    }
+}
+
 /// `test` on a comm of either side. The CQ is read only while the request
 /// is unfinished (an injected send is done when posted; a receive may have
 /// been completed by an earlier read), and never once the peer is dead.
-fn test_side<S: Side>(st: &mut S, req: *const u8) -> Result<Option<Done>> {
+fn test_side<S: Side>(st: &mut S, slot: u32, gen: u32) -> Result<Option<Done>> {
     let (_, reqs, link) = st.parts();
-    let (i, unfinished) = test_request(reqs, req, S::KIND)?;
+    let unfinished = test_request(reqs, slot, gen, S::KIND)?;
     if unfinished && link.dead.is_none() {
         st.progress()?;
     }
     let (_, reqs, link) = st.parts();
-    finish(reqs, i, link)
+    finish(reqs, slot, link)
 }
 
-/// Checks that `req` is the start of a live request slot of `reqs`; returns
-/// its index and whether it is still unfinished.
-fn test_request(reqs: &mut Pool<Request>, req: *const u8, what: &str) -> Result<(u32, bool)> {
-    reqs.index_of(req)
-        .and_then(|i| Some((i, reqs.get_mut(i)?.remaining > 0)))
-        .ok_or_else(|| Error::internal(format!("test: {req:p} is not a live {what} request (already completed, or not from this plugin)")))
+/// Checks that `slot` is live in `reqs` and of generation `gen` (a request
+/// NCCL still holds, not an earlier one of the same slot); returns whether
+/// it is still unfinished.
+fn test_request(reqs: &mut Pool<Request>, slot: u32, gen: u32, what: &str) -> Result<bool> {
+    let current = handles::same_gen(reqs.gen(slot), gen);
+    reqs.get_mut(slot)
+        .filter(|_| current)
+        .map(|r| r.remaining > 0)
+        .ok_or_else(|| {
+            Error::internal(format!(
+                "test: not a live {what} request (already completed and reported, or a stale pointer)"
+            ))
+        })
 }
 
 /// Completes request `i` if it is done: frees it and returns its sizes or error.
@@ -1002,6 +1253,8 @@ fn finish(reqs: &mut Pool<Request>, i: u32, link: &Link) -> Result<Option<Done>>
 /// A receiving comm.
 pub struct RecvComm {
     pub(crate) dev: Arc<DeviceState>,
+    /// The request space of this comm's request tokens.
+    pub(crate) req_space: u64,
     inner: Mutex<RecvState>,
 }
 
@@ -1029,6 +1282,7 @@ impl RecvComm {
         let reqs = Pool::new(MAX_REQUESTS).map_err(|e| Error::system(e.to_string()))?;
         Ok(Self {
             dev,
+            req_space: handles::serial(),
             inner: Mutex::new(RecvState {
                 ep,
                 ctrl,
@@ -1038,11 +1292,6 @@ impl RecvComm {
                 owed: 0,
             }),
         })
-    }
-
-    /// The address range of this comm's requests.
-    pub fn request_range(&self) -> std::ops::Range<usize> {
-        lock(&self.inner).reqs.range()
     }
 
     /// Posts a grouped receive; `Ok(None)` when all requests are in use.
@@ -1057,7 +1306,9 @@ impl RecvComm {
                 bufs.len()
             )));
         }
-        let mut st = lock(&self.inner);
+        let Some(mut st) = try_lock(&self.inner) else {
+            return Ok(None);
+        };
         st.link.check()?;
         let mut req = Request {
             kind: Kind::Recv,
@@ -1076,29 +1327,49 @@ impl RecvComm {
         // matching order); what the provider refuses for now waits in order.
         // No progress here: NCCL tests the request next, and every read of
         // the CQ costs a system call on tcp.
-        let mut first_waiting = 0;
-        if st.to_post.is_empty() {
-            while first_waiting < bufs.len()
-                && st.post(&bufs[first_waiting], ptr.as_ptr(), first_waiting)?
-            {
-                first_waiting += 1;
+        let mut post_all = || -> Result<()> {
+            let mut first_waiting = 0;
+            if st.to_post.is_empty() {
+                while first_waiting < bufs.len()
+                    && st.post(&bufs[first_waiting], ptr.as_ptr(), first_waiting)?
+                {
+                    first_waiting += 1;
+                }
             }
+            for sub in first_waiting..bufs.len() {
+                st.to_post.push_back((idx, sub as u8));
+            }
+            st.post_pending()
+        };
+        if let Err(e) = post_all() {
+            // A hard provider error, possibly part way through a grouped
+            // receive: the comm cannot go on. Closing its endpoint takes back
+            // what was posted; this request, which NCCL never sees, is freed.
+            die(&mut *st, format!("posting a receive failed: {e}"));
+            st.reqs.release(idx);
+            return Err(e);
         }
-        for sub in first_waiting..bufs.len() {
-            st.to_post.push_back((idx, sub as u8));
-        }
-        st.post_pending()?;
-        Ok(Some(ptr.as_ptr().cast()))
+        Ok(Some(handles::req_token(
+            self.req_space,
+            idx,
+            st.reqs.gen(idx),
+        )))
     }
 
-    /// Tests a request of this comm.
-    pub fn test(&self, req: *const u8) -> Result<Option<Done>> {
-        test_side(&mut *lock(&self.inner), req)
+    /// Holds this comm's state lock until `release` fires (see [`hold`]).
+    #[doc(hidden)]
+    pub fn hold(&self, held: &Sender<()>, release: &Receiver<()>) {
+        hold(&self.inner, held, release);
+    }
+
+    /// Tests request `slot` (of generation `gen`) of this comm.
+    pub fn test(&self, slot: u32, gen: u32) -> Result<Option<Done>> {
+        test_locked(&self.inner, slot, gen)
     }
 
     /// One heartbeat tick (keeper thread).
     pub fn keepalive(&self, now: Instant) {
-        keepalive(&mut *lock(&self.inner), self.dev.peer_timeout, now);
+        keepalive_locked(&self.inner, self.dev.peer_timeout, now);
     }
 }
 
@@ -1106,10 +1377,10 @@ impl Side for RecvState {
     const WHAT: &'static str = "receive comm from";
     const KIND: &'static str = "receive";
     fn linked(&self) -> bool {
-        self.link.addr != fi::FI_ADDR_NOTAVAIL
+        self.link.peer.addr != fi::FI_ADDR_NOTAVAIL
     }
-    fn parts(&mut self) -> (&Endpoint, &mut Pool<Request>, &mut Link) {
-        (&self.ep, &mut self.reqs, &mut self.link)
+    fn parts(&mut self) -> (&mut Endpoint, &mut Pool<Request>, &mut Link) {
+        (&mut self.ep, &mut self.reqs, &mut self.link)
     }
     fn progress(&mut self) -> Result<()> {
         RecvState::progress(self)
@@ -1128,7 +1399,7 @@ impl RecvState {
                 b.data,
                 b.size,
                 b.desc,
-                self.link.addr,
+                self.link.peer.addr,
                 u64::from(b.tag as u32),
                 0,
                 ctx,
@@ -1160,6 +1431,7 @@ impl RecvState {
     }
 
     fn progress(&mut self) -> Result<()> {
+        self.ctrl.repost_waiting(&self.ep)?;
         let Self {
             ep,
             ctrl,
@@ -1168,7 +1440,7 @@ impl RecvState {
             owed,
             ..
         } = self;
-        drain(ep.cq(), |ev| match ev {
+        drain(&**ep.cq(), |ev| match ev {
             Event::Done(c) => {
                 link.heard = true;
                 if let Some(i) = ctrl.find(c.op_context) {
@@ -1181,7 +1453,7 @@ impl RecvState {
             Event::Failed(e) => {
                 if let Some(i) = ctrl.find(e.context) {
                     tracing::warn!("receive comm: dropped a bad control message: {e}");
-                    return ctrl.post(ep, i);
+                    return ctrl.repost(ep, i);
                 }
                 *owed += 1;
                 complete(reqs, e.context, Err(completion_err(&e)), "receive comm")
@@ -1189,7 +1461,11 @@ impl RecvState {
         })?;
         self.post_pending()?;
         if self.owed >= CREDIT_BATCH {
-            match send_ctrl(&self.ep, self.link.addr, &Ctrl::Credit { count: self.owed }) {
+            match send_ctrl(
+                &self.ep,
+                &self.link.peer,
+                &Ctrl::Credit { count: self.owed },
+            ) {
                 Ok(()) => self.owed = 0,
                 Err(e) if e.is_again() => {}
                 Err(e) => {
@@ -1206,11 +1482,64 @@ impl RecvState {
 /// A control message to a receive comm: only `Alive` is expected.
 fn recv_ctrl(ctrl: &mut CtrlBufs, ep: &Endpoint, i: usize, len: usize) -> Result<()> {
     let msg = Ctrl::decode(ctrl.bytes(i, len));
-    ctrl.post(ep, i)?;
+    ctrl.repost(ep, i)?;
     match msg {
         Ok(Ctrl::Alive) => {}
         Ok(other) => tracing::warn!("receive comm: ignored unexpected control message {other:?}"),
         Err(e) => tracing::warn!("receive comm: ignored a bad control message: {e}"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    /// Hands out a scripted sequence of reads.
+    struct Script(RefCell<VecDeque<std::result::Result<Vec<usize>, CqError>>>);
+
+    impl CqSource for Script {
+        fn read(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
+            match self.0.borrow_mut().pop_front() {
+                None => Ok(0),
+                Some(Err(e)) => Err(e),
+                Some(Ok(ids)) => {
+                    for (o, id) in out.iter_mut().zip(&ids) {
+                        o.op_context = *id as *mut c_void;
+                    }
+                    Ok(ids.len().min(out.len()))
+                }
+            }
+        }
+    }
+
+    /// A failure while applying one completion of a batch does not drop
+    /// the others already read: all are applied, then the first error is
+    /// returned.
+    #[test]
+    fn drain_applies_the_whole_batch_before_failing() {
+        let full: Vec<usize> = (1..=CQ_BATCH).collect();
+        let cq = Script(RefCell::new(
+            [Ok(full), Ok(vec![100, 101])].into_iter().collect(),
+        ));
+        let mut seen = Vec::new();
+        let r = drain(&cq, |ev| {
+            let Event::Done(c) = ev else { unreachable!() };
+            let id = c.op_context as usize;
+            seen.push(id);
+            if id == 2 || id == 100 {
+                Err(Error::system(format!("bad {id}")))
+            } else {
+                Ok(())
+            }
+        });
+        let mut want: Vec<usize> = (1..=CQ_BATCH).collect();
+        want.extend([100, 101]);
+        assert_eq!(seen, want, "every completion read was applied");
+        assert!(
+            r.unwrap_err().msg.contains("bad 2"),
+            "the first error is returned"
+        );
+    }
 }

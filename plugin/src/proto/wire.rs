@@ -67,7 +67,7 @@ pub enum HandleError {
     #[error("the connection handle has Weft format version {0}, this Weft speaks {HANDLE_VERSION}; deploy the same Weft build on every node")]
     Version(u16),
     /// The address length is impossible.
-    #[error("the connection handle is corrupted: address length {0} exceeds {MAX_ADDR}")]
+    #[error("the connection handle is corrupted: address length {0} (must be 1 ..= {MAX_ADDR})")]
     AddrLen(usize),
     /// The check value does not match.
     #[error(
@@ -112,7 +112,7 @@ impl ListenHandle {
             return Err(HandleError::Version(version));
         }
         let len = usize::from(h[6]);
-        if len > MAX_ADDR || h[7] != 0 {
+        if len == 0 || len > MAX_ADDR || h[7] != 0 {
             return Err(HandleError::AddrLen(len));
         }
         let addr = h[20..20 + len].to_vec();
@@ -204,7 +204,7 @@ pub enum CtrlError {
     #[error("control message of unknown kind {0}")]
     Kind(u8),
     /// Address too long.
-    #[error("control message with an address of {0} bytes (at most {MAX_ADDR})")]
+    #[error("control message with an address of {0} bytes (must be 1 ..= {MAX_ADDR})")]
     AddrLen(usize),
 }
 
@@ -277,7 +277,7 @@ impl Ctrl {
         let u64_at = |i: usize| u64::from_le_bytes(buf[i..i + 8].try_into().expect("8 bytes"));
         let addr = || {
             let n = usize::from(buf[7]);
-            if n > MAX_ADDR {
+            if n == 0 || n > MAX_ADDR {
                 return Err(CtrlError::AddrLen(n));
             }
             buf.get(24..24 + n)
@@ -371,6 +371,37 @@ mod tests {
         assert!(read_stage(&stage).is_err());
         let msg = ListenHandle::decode(&other).unwrap_err().to_string();
         assert!(msg.contains("same plugin"), "{msg}");
+    }
+
+    /// An empty address is refused even with a consistent check value, in
+    /// a handle, a Conn and an Ack (libfabric would read a whole address
+    /// from an empty buffer).
+    #[test]
+    fn empty_addresses_are_refused() {
+        let mut h = [0u8; HANDLE_SIZE];
+        ListenHandle {
+            nonce: 9,
+            addr: Vec::new(),
+        }
+        .encode(&mut h)
+        .unwrap();
+        assert_eq!(ListenHandle::decode(&h), Err(HandleError::AddrLen(0)));
+        for msg in [
+            Ctrl::Conn {
+                listener: 1,
+                conn: 2,
+                addr: Vec::new(),
+            },
+            Ctrl::Ack {
+                conn: 2,
+                credits: 3,
+                addr: Vec::new(),
+            },
+        ] {
+            let mut b = [0u8; CTRL_MAX];
+            let n = msg.encode(&mut b);
+            assert_eq!(Ctrl::decode(&b[..n]), Err(CtrlError::AddrLen(0)));
+        }
     }
 
     #[test]

@@ -184,11 +184,12 @@ unsafe fn wait_send(n: &dyn Net, req: *mut c_void) -> Result<(), String> {
 }
 
 /// Threads of this process with `name` (from /proc/self/task/*/comm).
-fn threads_named(name: &str) -> usize {
+/// Threads of this process whose name is one of `names`.
+fn threads_named(names: &[&str]) -> usize {
     std::fs::read_dir("/proc/self/task")
         .map(|d| {
             d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-                .filter(|c| c.trim() == name)
+                .filter(|c| names.contains(&c.trim()))
                 .count()
         })
         .unwrap_or(0)
@@ -206,10 +207,16 @@ fn reload(version: u32, provider: &str, cycles: usize, messages: usize) -> Resul
         // listed in /proc for a moment after pthread_join returns (the kernel
         // wakes the joiner before it reaps the task): wait for it to go.
         let gone = Instant::now() + Duration::from_secs(10);
-        let mut keepers = threads_named(weft::core::keeper::THREAD_NAME);
+        let mut keepers = threads_named(&[
+            weft::core::keeper::THREAD_NAME,
+            weft::core::keeper::WATCHDOG_NAME,
+        ]);
         while keepers > 0 && Instant::now() < gone {
             std::thread::sleep(Duration::from_millis(1));
-            keepers = threads_named(weft::core::keeper::THREAD_NAME);
+            keepers = threads_named(&[
+                weft::core::keeper::THREAD_NAME,
+                weft::core::keeper::WATCHDOG_NAME,
+            ]);
         }
         let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
         let resident = maps.contains(&lib_name);
@@ -220,7 +227,7 @@ fn reload(version: u32, provider: &str, cycles: usize, messages: usize) -> Resul
         );
         if keepers != 0 {
             return Err(format!(
-                "cycle {cycle}: the keeper thread outlived the last finalize"
+                "cycle {cycle}: a keeper or watchdog thread outlived the last finalize"
             ));
         }
     }
