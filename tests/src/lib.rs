@@ -3,6 +3,7 @@
 //! timeouts (this machine is small and shared; tests never sleep to sync).
 
 pub mod emu;
+pub mod forge;
 pub mod host;
 pub mod matrix;
 pub mod micro;

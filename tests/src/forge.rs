@@ -1,0 +1,103 @@
+//! A raw endpoint that speaks Weft's control messages by hand, to act as a
+//! buggy or hostile peer: forged `Conn`s to a listener, forged `Ack`s to a
+//! connecting comm, addresses of any length.
+
+use std::sync::Arc;
+
+use weft::fabric::{Completion, Domain, Endpoint, FiAddr, Mr, ACCESS_ALL};
+use weft::proto::sendrecv::CTRL_TAG;
+use weft::proto::wire::{Ctrl, CTRL_MAX};
+
+/// The hand-driven peer.
+#[derive(Debug)]
+pub struct Forger {
+    // Field order is drop order: the endpoint closes before its buffer goes.
+    ep: Endpoint,
+    _mr: Mr,
+    buf: Vec<u8>,
+    _domain: Arc<Domain>,
+}
+
+impl Forger {
+    /// Opens an endpoint on `provider`'s loopback domain with one control
+    /// receive posted.
+    pub fn open(provider: &str) -> Self {
+        let domain = crate::loopback_domain(provider).expect("forger domain");
+        let ep = Endpoint::open_own(&domain).expect("forger endpoint");
+        let buf = vec![0u8; CTRL_MAX];
+        // SAFETY: `buf` lives, unmoved, as long as the registration (both
+        // are fields of the forger, dropped after the endpoint).
+        let mr = unsafe { Mr::register(&domain, buf.as_ptr(), buf.len(), ACCESS_ALL) }
+            .expect("forger registration");
+        let f = Self {
+            ep,
+            _mr: mr,
+            buf,
+            _domain: domain,
+        };
+        f.post();
+        f
+    }
+
+    fn post(&self) {
+        // SAFETY: the buffer and its registration outlive the endpoint.
+        unsafe {
+            self.ep.trecv(
+                self.buf.as_ptr().cast_mut(),
+                CTRL_MAX,
+                self._mr.desc(),
+                libfabric_sys::FI_ADDR_UNSPEC,
+                CTRL_TAG,
+                0,
+                std::ptr::null_mut(),
+            )
+        }
+        .expect("forger control receive");
+    }
+
+    /// This endpoint's name (a valid address to put in messages).
+    pub fn name(&self) -> Vec<u8> {
+        self.ep.name().expect("forger name")
+    }
+
+    /// Inserts a peer's name.
+    pub fn peer(&self, name: &[u8]) -> FiAddr {
+        self.ep.av().insert(name).expect("forger av insert")
+    }
+
+    /// Sends `msg` to `to`, retrying while the provider is busy.
+    pub fn send(&self, to: FiAddr, msg: &Ctrl) {
+        self.send_while(to, msg, || {});
+    }
+
+    /// [`Forger::send`], calling `progress` between tries (the receiving
+    /// side in this process must make progress for shm to take the message).
+    pub fn send_while(&self, to: FiAddr, msg: &Ctrl, mut progress: impl FnMut()) {
+        let mut b = [0u8; CTRL_MAX];
+        let n = msg.encode(&mut b);
+        let mut c = [Completion::default(); 4];
+        crate::poll_until("forger send", || {
+            match self.ep.tinject(&b[..n], to, CTRL_TAG) {
+                Ok(()) => return Some(()),
+                Err(e) if e.is_again() => {}
+                Err(e) => panic!("forger send: {e}"),
+            }
+            let _ = self.ep.cq().read(&mut c);
+            progress();
+            None
+        });
+    }
+
+    /// The next control message that arrives (polls once; `None` if none).
+    pub fn try_recv(&self) -> Option<Ctrl> {
+        let mut c = [Completion::default(); 1];
+        match self.ep.cq().read(&mut c) {
+            Ok(1) => {
+                let msg = Ctrl::decode(&self.buf[..c[0].len]).ok();
+                self.post();
+                msg
+            }
+            _ => None,
+        }
+    }
+}
