@@ -111,7 +111,7 @@ impl Av {
 
     pub(crate) fn fid(&self) -> *mut fi::fid {
         // SAFETY: `ptr` is live for as long as `self`.
-        unsafe { &mut (*self.ptr).fid }
+        unsafe { &raw mut (*self.ptr).fid }
     }
 }
 

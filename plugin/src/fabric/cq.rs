@@ -133,7 +133,7 @@ impl Cq {
 
     pub(crate) fn fid(&self) -> *mut fi::fid {
         // SAFETY: `ptr` is live for as long as `self`.
-        unsafe { &mut (*self.ptr).fid }
+        unsafe { &raw mut (*self.ptr).fid }
     }
 }
 

@@ -48,7 +48,7 @@ impl Fabric {
 impl Drop for Fabric {
     fn drop(&mut self) {
         // SAFETY: `ptr` is a live fabric; every child holds an Arc to it, so none remain.
-        close_fid(unsafe { &mut (*self.ptr).fid }, "fabric");
+        close_fid(unsafe { &raw mut (*self.ptr).fid }, "fabric");
     }
 }
 
@@ -150,6 +150,6 @@ impl Drop for Domain {
     fn drop(&mut self) {
         // SAFETY: `ptr` is live; endpoints, CQs, AVs and MRs hold an Arc to the
         // domain, so all of them are closed before this runs.
-        close_fid(unsafe { &mut (*self.ptr).fid }, "domain");
+        close_fid(unsafe { &raw mut (*self.ptr).fid }, "domain");
     }
 }

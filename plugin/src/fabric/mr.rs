@@ -74,7 +74,7 @@ impl Mr {
 impl Drop for Mr {
     fn drop(&mut self) {
         // SAFETY: `ptr` is live and closed once.
-        close_fid(unsafe { &mut (*self.ptr).fid }, "mr");
+        close_fid(unsafe { &raw mut (*self.ptr).fid }, "mr");
     }
 }
 
