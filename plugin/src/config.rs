@@ -1,10 +1,15 @@
-//! `WEFT_*` configuration: typed, validated once at init, logged once at INFO.
+//! `WEFT_*` configuration: typed, validated at init, logged at INFO.
 //!
 //! [`PARAMS`] is the one list of parameters; the README's configuration table
 //! is checked against it by a test, and every entry is read by [`Config::from_lookup`]
 //! (a test gives each one a bad value and expects init to fail naming it).
+//!
+//! Conventions users bring from NCCL and libfabric: a variable set to the
+//! empty string (or blanks) counts as unset, and libfabric's `FI_PROVIDER`
+//! chooses the providers when `WEFT_PROVIDER` is unset (a `WEFT_PROVIDER` that
+//! asks for a provider `FI_PROVIDER` hides from libfabric is an error naming
+//! both).
 
-use std::sync::OnceLock;
 use std::time::Duration;
 
 /// One documented parameter.
@@ -26,7 +31,7 @@ pub const PARAMS: &[Param] = &[
         name: "WEFT_PROVIDER",
         default: "efa, verbs;ofi_rxm, tcp;ofi_rxm (first with a device)",
         accepted: "libfabric provider names, comma-separated, in order of preference; `tcp` = `tcp;ofi_rxm`",
-        meaning: "which libfabric provider carries NCCL's traffic",
+        meaning: "which libfabric provider carries NCCL's traffic. When unset, libfabric's `FI_PROVIDER` (a list, or `^` and a list to exclude) chooses among the defaults; both set and disagreeing is an init error",
     },
     Param {
         name: "WEFT_IFACE",
@@ -67,6 +72,24 @@ pub enum Protocol {
     SendRecv,
 }
 
+/// Where a setting's value came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// Weft's default.
+    Default,
+    /// An environment variable.
+    Env(&'static str),
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Default => f.write_str("default"),
+            Source::Env(v) => write!(f, "environment ({v})"),
+        }
+    }
+}
+
 /// The validated configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -82,6 +105,8 @@ pub struct Config {
     pub link_speed_mbps: Option<u32>,
     /// Peer liveness timeout.
     pub peer_timeout: Duration,
+    /// Where each parameter of [`PARAMS`] came from, in that order.
+    pub sources: Vec<Source>,
 }
 
 /// The default provider order when `WEFT_PROVIDER` is unset.
@@ -172,25 +197,110 @@ pub fn canonical_provider(p: &str) -> String {
     }
 }
 
+/// libfabric's name of the provider under a layered one (`tcp;ofi_rxm` -> `tcp`).
+fn core_provider(p: &str) -> &str {
+    p.split(';').next().unwrap_or(p)
+}
+
+/// What `FI_PROVIDER` lets libfabric offer: a list, or `^` and a list of
+/// providers to exclude.
+#[derive(Debug)]
+struct FiProvider {
+    exclude: bool,
+    names: Vec<String>,
+}
+
+impl FiProvider {
+    fn parse(value: &str) -> Self {
+        let (exclude, rest) = match value.trim().strip_prefix('^') {
+            Some(r) => (true, r),
+            None => (false, value),
+        };
+        Self {
+            exclude,
+            names: rest
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .collect(),
+        }
+    }
+    /// Whether libfabric offers `provider` (Weft's spelling) under this filter.
+    fn allows(&self, provider: &str) -> bool {
+        let core = core_provider(provider);
+        let named = self
+            .names
+            .iter()
+            .any(|n| n == provider || core_provider(&canonical_provider(n)) == core);
+        named != self.exclude
+    }
+}
+
 impl Config {
     /// Reads and validates the process environment.
     pub fn from_env() -> Result<Self, ConfigError> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
 
-    /// Reads and validates parameters through `get` (tests pass a map).
+    /// Reads and validates parameters through `get` (tests pass a map). A
+    /// variable that is empty or blank counts as unset.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
         let mut c = Self::default();
+        let mut set = |name: &'static str, source: Source| {
+            if let Some(i) = PARAMS.iter().position(|p| p.name == name) {
+                c.sources[i] = source;
+            }
+        };
+        let fi = get("FI_PROVIDER").map(|v| (FiProvider::parse(&v), v));
         if let Some(v) = get("WEFT_PROVIDER") {
-            c.providers = list("WEFT_PROVIDER", &v)?
+            let providers: Vec<String> = list("WEFT_PROVIDER", &v)?
                 .iter()
                 .map(|p| canonical_provider(p))
                 .collect();
+            if let Some((f, fv)) = &fi {
+                let hidden: Vec<&str> = providers
+                    .iter()
+                    .filter(|p| !f.allows(p))
+                    .map(String::as_str)
+                    .collect();
+                if !hidden.is_empty() {
+                    return Err(err(
+                        "WEFT_PROVIDER",
+                        &v,
+                        format!(
+                            "FI_PROVIDER={fv:?} hides {} from libfabric, so Weft could not use it; \
+                             set only one of WEFT_PROVIDER and FI_PROVIDER, or make them agree",
+                            hidden.join(", ")
+                        ),
+                    ));
+                }
+            }
+            set("WEFT_PROVIDER", Source::Env("WEFT_PROVIDER"));
+            c.providers = providers;
+        } else if let Some((f, fv)) = &fi {
+            c.providers = if f.exclude {
+                c.providers.into_iter().filter(|p| f.allows(p)).collect()
+            } else {
+                f.names.iter().map(|p| canonical_provider(p)).collect()
+            };
+            if c.providers.is_empty() {
+                return Err(err(
+                    "WEFT_PROVIDER",
+                    fv,
+                    "unset, and FI_PROVIDER excludes every provider Weft tries by default; \
+                     set WEFT_PROVIDER or FI_PROVIDER to the provider to use",
+                ));
+            }
+            set("WEFT_PROVIDER", Source::Env("FI_PROVIDER"));
         }
         if let Some(v) = get("WEFT_IFACE") {
             c.ifaces = list("WEFT_IFACE", &v)?;
+            set("WEFT_IFACE", Source::Env("WEFT_IFACE"));
         }
         if let Some(v) = get("WEFT_PROTOCOL") {
+            set("WEFT_PROTOCOL", Source::Env("WEFT_PROTOCOL"));
             c.protocol = match v.trim() {
                 "sendrecv" => Protocol::SendRecv,
                 "rdma" => {
@@ -205,35 +315,50 @@ impl Config {
         }
         if let Some(v) = get("WEFT_EAGER_SIZE") {
             c.eager_size = int("WEFT_EAGER_SIZE", &v, 0usize, 65536)?;
+            set("WEFT_EAGER_SIZE", Source::Env("WEFT_EAGER_SIZE"));
         }
         if let Some(v) = get("WEFT_LINK_SPEED_MBPS") {
             c.link_speed_mbps = Some(int("WEFT_LINK_SPEED_MBPS", &v, 1u32, 10_000_000)?);
+            set("WEFT_LINK_SPEED_MBPS", Source::Env("WEFT_LINK_SPEED_MBPS"));
         }
         if let Some(v) = get("WEFT_PEER_TIMEOUT") {
             c.peer_timeout = seconds("WEFT_PEER_TIMEOUT", &v, 0.1, 3600.0)?;
+            set("WEFT_PEER_TIMEOUT", Source::Env("WEFT_PEER_TIMEOUT"));
         }
         Ok(c)
     }
 
-    /// Logs every parameter once at INFO (NCCL_INIT).
+    /// Every parameter's effective value, in [`PARAMS`] order, with where
+    /// it came from.
+    pub fn effective(&self) -> Vec<(&'static str, String, Source)> {
+        let values = [
+            self.providers.join(", "),
+            if self.ifaces.is_empty() {
+                "(all)".to_owned()
+            } else {
+                self.ifaces.join(", ")
+            },
+            match self.protocol {
+                Protocol::SendRecv => "sendrecv".to_owned(),
+            },
+            format!("{} bytes", self.eager_size),
+            self.link_speed_mbps
+                .map_or_else(|| "(sysfs, else 10000)".to_owned(), |s| s.to_string()),
+            format!("{:.3} s", self.peer_timeout.as_secs_f64()),
+        ];
+        PARAMS
+            .iter()
+            .zip(values)
+            .zip(&self.sources)
+            .map(|((p, v), s)| (p.name, v, *s))
+            .collect()
+    }
+
+    /// Logs every parameter at INFO (NCCL_INIT), with where it came from.
     pub fn log(&self) {
-        let providers = self.providers.join(", ");
-        let ifaces = if self.ifaces.is_empty() {
-            "(all)".to_owned()
-        } else {
-            self.ifaces.join(", ")
-        };
-        tracing::info!(target: "weft::init", "WEFT_PROVIDER = {providers}");
-        tracing::info!(target: "weft::init", "WEFT_IFACE = {ifaces}");
-        tracing::info!(target: "weft::init", "WEFT_PROTOCOL = {:?}", self.protocol);
-        tracing::info!(target: "weft::init", "WEFT_EAGER_SIZE = {} bytes", self.eager_size);
-        match self.link_speed_mbps {
-            Some(s) => tracing::info!(target: "weft::init", "WEFT_LINK_SPEED_MBPS = {s}"),
-            None => {
-                tracing::info!(target: "weft::init", "WEFT_LINK_SPEED_MBPS = (sysfs, else 10000)")
-            }
+        for (name, value, source) in self.effective() {
+            tracing::info!(target: "weft::init", "{name} = {value} ({source})");
         }
-        tracing::info!(target: "weft::init", "WEFT_PEER_TIMEOUT = {:.3} s", self.peer_timeout.as_secs_f64());
     }
 }
 
@@ -246,25 +371,22 @@ impl Default for Config {
             eager_size: 8192,
             link_speed_mbps: None,
             peer_timeout: Duration::from_secs(30),
+            sources: vec![Source::Default; PARAMS.len()],
         }
     }
 }
 
-/// The process configuration: read from the environment and logged the first
-/// time it is asked for; every later call returns the same result.
-pub fn global() -> Result<&'static Config, ConfigError> {
-    static CONFIG: OnceLock<Result<Config, ConfigError>> = OnceLock::new();
-    CONFIG
-        .get_or_init(|| {
-            let c = Config::from_env();
-            match &c {
-                Ok(c) => c.log(),
-                Err(e) => tracing::warn!(target: "weft::init", "configuration refused: {e}"),
-            }
-            c
-        })
-        .as_ref()
-        .map_err(Clone::clone)
+/// The configuration for a plugin that starts now: read from the
+/// environment and logged. The core calls it at the first `init` (and again
+/// at the first `init` after the last `finalize`), so what it read holds for
+/// as long as the plugin runs.
+pub fn load() -> Result<Config, ConfigError> {
+    let c = Config::from_env();
+    match &c {
+        Ok(c) => c.log(),
+        Err(e) => tracing::warn!(target: "weft::init", "configuration refused: {e}"),
+    }
+    c
 }
 
 /// Renders a parameter table in the README's Markdown form.
@@ -337,6 +459,55 @@ mod tests {
                 "{msg}"
             );
         }
+    }
+
+    /// NCCL's and libfabric's conventions: an empty variable is unset, and
+    /// FI_PROVIDER chooses when WEFT_PROVIDER does not.
+    #[test]
+    fn empty_means_unset_and_fi_provider_is_honoured() {
+        for p in PARAMS {
+            assert_eq!(
+                with(&[(p.name, "")]).unwrap(),
+                Config::default(),
+                "{}",
+                p.name
+            );
+            assert_eq!(
+                with(&[(p.name, "  ")]).unwrap(),
+                Config::default(),
+                "{}",
+                p.name
+            );
+        }
+        let c = with(&[("FI_PROVIDER", "shm")]).unwrap();
+        assert_eq!(c.providers, ["shm"]);
+        assert_eq!(c.sources[0], Source::Env("FI_PROVIDER"));
+        assert_eq!(
+            with(&[("FI_PROVIDER", "tcp")]).unwrap().providers,
+            ["tcp;ofi_rxm"]
+        );
+        assert_eq!(
+            with(&[("FI_PROVIDER", "^efa,verbs")]).unwrap().providers,
+            ["tcp;ofi_rxm"]
+        );
+        assert_eq!(with(&[("FI_PROVIDER", "")]).unwrap(), Config::default());
+        // Both, agreeing: fine; WEFT_PROVIDER is the source.
+        let c = with(&[("FI_PROVIDER", "tcp,shm"), ("WEFT_PROVIDER", "shm")]).unwrap();
+        assert_eq!(
+            (c.providers.as_slice(), c.sources[0]),
+            (&["shm".to_owned()][..], Source::Env("WEFT_PROVIDER"))
+        );
+        assert!(with(&[("FI_PROVIDER", "^shm"), ("WEFT_PROVIDER", "tcp")]).is_ok());
+        // Disagreeing: an error naming both.
+        for (fi, weft) in [("shm", "tcp"), ("^tcp", "tcp;ofi_rxm"), ("tcp", "shm,tcp")] {
+            let e = with(&[("FI_PROVIDER", fi), ("WEFT_PROVIDER", weft)]).unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                msg.contains("WEFT_PROVIDER") && msg.contains("FI_PROVIDER"),
+                "{msg}"
+            );
+        }
+        assert!(with(&[("FI_PROVIDER", "^efa,verbs,tcp")]).is_err());
     }
 
     #[test]
