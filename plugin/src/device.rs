@@ -50,11 +50,42 @@ fn filters_by_iface(provider: &str) -> bool {
     provider != "shm"
 }
 
-/// Lists the devices of the first provider (in configured order) that has one.
-pub fn discover(config: &Config) -> Result<Vec<Device>, DiscoveryError> {
+/// What discovery made of one provider.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Its devices (domain names) are the ones Weft uses.
+    Used(Vec<String>),
+    /// Tried and passed over, and why.
+    Skipped(String),
+    /// Not tried: an earlier provider had devices.
+    NotTried,
+}
+
+/// One provider of the configured order and what became of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProviderReport {
+    /// The provider, as Weft spells it.
+    pub provider: String,
+    /// What discovery made of it.
+    pub outcome: Outcome,
+}
+
+/// Tries the providers in configured order and reports on each; the
+/// devices are those of the first provider that has any.
+pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), DiscoveryError> {
+    let mut reports = Vec::new();
+    let mut chosen: Vec<Device> = Vec::new();
     for provider in &config.providers {
+        if !chosen.is_empty() {
+            reports.push(ProviderReport {
+                provider: provider.clone(),
+                outcome: Outcome::NotTried,
+            });
+            continue;
+        }
         let list = InfoList::get(&Hints::rdm_tagged(Some(provider)))?;
         let mut devices: Vec<Device> = Vec::new();
+        let mut filtered = Vec::new();
         for info in list.iter() {
             // libfabric may answer with a layered provider we did not ask for
             // (e.g. `tcp` alone, or `shm` under `ofi_rxm`): keep exact matches.
@@ -66,6 +97,9 @@ pub fn discover(config: &Config) -> Result<Vec<Device>, DiscoveryError> {
                 && !config.ifaces.is_empty()
                 && !config.ifaces.iter().any(|i| i == domain)
             {
+                if !filtered.iter().any(|d| d == domain) {
+                    filtered.push(domain.to_owned());
+                }
                 continue;
             }
             // One device per domain; libfabric lists a domain once per address
@@ -84,16 +118,46 @@ pub fn discover(config: &Config) -> Result<Vec<Device>, DiscoveryError> {
                 info: info.to_owned()?,
             });
         }
-        if !devices.is_empty() {
-            tracing::info!(
+        let outcome = if !devices.is_empty() {
+            Outcome::Used(devices.iter().map(|d| d.domain.clone()).collect())
+        } else if !filtered.is_empty() {
+            Outcome::Skipped(format!(
+                "its domains ({}) are not in WEFT_IFACE={}",
+                filtered.join(", "),
+                config.ifaces.join(",")
+            ))
+        } else {
+            Outcome::Skipped(
+                "libfabric offers no reliable tagged endpoint of it on this host (see `fi_info -l`)"
+                    .to_owned(),
+            )
+        };
+        match &outcome {
+            Outcome::Used(d) => tracing::info!(
                 target: "weft::init",
                 "provider {provider}: {} device(s): {}",
-                devices.len(),
-                devices.iter().map(|d| d.domain.as_str()).collect::<Vec<_>>().join(", ")
-            );
-            return Ok(devices);
+                d.len(),
+                d.join(", ")
+            ),
+            Outcome::Skipped(why) => {
+                tracing::info!(target: "weft::init", "provider {provider}: skipped: {why}")
+            }
+            Outcome::NotTried => {}
         }
-        tracing::info!(target: "weft::init", "provider {provider}: no usable device");
+        reports.push(ProviderReport {
+            provider: provider.clone(),
+            outcome,
+        });
+        chosen = devices;
+    }
+    Ok((reports, chosen))
+}
+
+/// Lists the devices of the first provider (in configured order) that has one.
+pub fn discover(config: &Config) -> Result<Vec<Device>, DiscoveryError> {
+    let (_, devices) = survey(config)?;
+    if !devices.is_empty() {
+        return Ok(devices);
     }
     Err(DiscoveryError::NoDevice {
         tried: config.providers.join(", "),
