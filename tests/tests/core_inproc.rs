@@ -37,11 +37,13 @@ fn exchange_sizes(provider: &str) {
 
 #[test]
 fn tcp_sizes() {
+    weft_tests::isolated!();
     exchange_sizes("tcp");
 }
 
 #[test]
 fn shm_sizes() {
+    weft_tests::isolated!();
     exchange_sizes("shm");
 }
 
@@ -104,11 +106,13 @@ fn grouped(provider: &str) {
 
 #[test]
 fn tcp_grouped_receives() {
+    weft_tests::isolated!();
     grouped("tcp");
 }
 
 #[test]
 fn shm_grouped_receives() {
+    weft_tests::isolated!();
     grouped("shm");
 }
 
@@ -116,6 +120,7 @@ fn shm_grouped_receives() {
 /// tcp;ofi_rxm (FI_ETRUNC), and nothing is written past the buffer.
 #[test]
 fn tcp_truncation_is_an_error() {
+    weft_tests::isolated!();
     let ctx = init("tcp");
     let (s, r) = pair(ctx);
     for len in [100_000usize, 100] {
@@ -166,6 +171,7 @@ fn tcp_truncation_is_an_error() {
 
 #[test]
 fn properties_are_complete_and_bounded() {
+    weft_tests::isolated!();
     init("tcp");
     assert_eq!(
         core::devices().unwrap(),
@@ -196,16 +202,43 @@ fn properties_are_complete_and_bounded() {
 
 #[test]
 fn link_speed_override() {
+    weft_tests::isolated!();
     std::env::set_var("WEFT_LINK_SPEED_MBPS", "400000");
     init("shm");
     assert_eq!(core::properties(0).unwrap().speed, 400_000);
     assert_eq!(core::properties(0).unwrap().name.to_str().unwrap(), "shm");
 }
 
+/// The configuration can be handed to init instead of read from the
+/// environment, and a plugin started again after its last finalize reads
+/// the environment anew (nothing is read once per process).
+#[test]
+fn configuration_is_injectable_and_read_at_each_start() {
+    weft_tests::isolated!();
+    let mut given = weft_tests::loopback("shm");
+    given.link_speed_mbps = Some(123_000);
+    let args = || core::InitArgs {
+        traffic_class: -1,
+        ..Default::default()
+    };
+    let ctx = core::init_with(args(), Some(given)).unwrap();
+    assert_eq!(core::properties(0).unwrap().speed, 123_000);
+    core::finalize(ctx).unwrap();
+    std::env::set_var("WEFT_LINK_SPEED_MBPS", "7000");
+    let ctx = init("shm");
+    assert_eq!(core::properties(0).unwrap().speed, 7000);
+    core::finalize(ctx).unwrap();
+    std::env::set_var("WEFT_LINK_SPEED_MBPS", "8000");
+    let ctx = init("shm");
+    assert_eq!(core::properties(0).unwrap().speed, 8000);
+    core::finalize(ctx).unwrap();
+}
+
 /// Garbage, truncated, corrupted and foreign handles: a clear error, no
 /// crash, no hang.
 #[test]
 fn bad_handles_are_refused() {
+    weft_tests::isolated!();
     let ctx = init("tcp");
     let (good, l) = listen(ctx);
     let mut cases: Vec<(&str, [u8; 128])> = Vec::new();
@@ -237,6 +270,7 @@ fn bad_handles_are_refused() {
 /// Stale and foreign pointers are errors, not undefined behaviour.
 #[test]
 fn stale_and_foreign_pointers_are_errors() {
+    weft_tests::isolated!();
     let ctx = init("tcp");
     let (s, r) = pair(ctx);
     let local = 0u64;
@@ -303,6 +337,7 @@ fn stale_and_foreign_pointers_are_errors() {
 /// sender goes on.
 #[test]
 fn credits_bound_the_sender_and_come_back() {
+    weft_tests::isolated!();
     use weft::proto::sendrecv::CREDITS;
     let ctx = init("tcp");
     let (s, r) = pair(ctx);
@@ -341,6 +376,7 @@ fn credits_bound_the_sender_and_come_back() {
 /// Requests in flight at close: released, and a later test() is an error.
 #[test]
 fn close_with_requests_in_flight() {
+    weft_tests::isolated!();
     let ctx = init("tcp");
     let (s, r) = pair(ctx);
     let mut dst = vec![0u8; 1 << 20];
@@ -359,6 +395,7 @@ fn close_with_requests_in_flight() {
 
 #[test]
 fn iflush_on_host_memory_is_a_null_request() {
+    weft_tests::isolated!();
     let ctx = init("tcp");
     let (s, r) = pair(ctx);
     assert_eq!(core::iflush(r, 1).unwrap(), None);
@@ -372,6 +409,7 @@ fn iflush_on_host_memory_is_a_null_request() {
 /// device (regIsGlobal).
 #[test]
 fn registrations_are_cached_and_global() {
+    weft_tests::isolated!();
     let ctx = init("tcp");
     let (s, r) = pair(ctx);
     let (s2, r2) = pair(ctx);
@@ -406,6 +444,7 @@ fn registrations_are_cached_and_global() {
 /// past the buffer, and closing must not hang.
 #[test]
 fn shm_truncation_writes_nothing_past_the_buffer() {
+    weft_tests::isolated!();
     let ctx = init("shm");
     let (s, r) = pair(ctx);
     // Above shm's 4 KiB inline size, libfabric 1.17's shm never completes a

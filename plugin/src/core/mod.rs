@@ -11,6 +11,7 @@ pub mod error;
 pub mod handles;
 pub mod keeper;
 pub mod pool;
+pub mod profiler;
 pub mod props;
 
 use std::ffi::c_void;
@@ -29,6 +30,7 @@ pub use crate::proto::sendrecv::Done;
 use crate::proto::sendrecv::{heartbeat_period, ListenComm, RecvBuf, RecvComm, SendComm};
 use crate::proto::wire::{self, ListenHandle, HANDLE_SIZE};
 use handles::Registry;
+use profiler::{Events, Profiler};
 
 /// One device with everything shared by its comms.
 #[derive(Debug)]
@@ -65,8 +67,8 @@ pub struct Ctx {
     pub comm_id: u64,
     /// The communicator's traffic class (-1: undefined).
     pub traffic_class: i32,
-    /// NCCL's profiler callback (v10+), kept for profiler events.
-    pub profiler: Option<usize>,
+    /// NCCL's profiler callback (v10+), for net events.
+    pub profiler: Option<Profiler>,
     plugin: Arc<Plugin>,
 }
 
@@ -80,21 +82,52 @@ pub struct MrHandle {
     region: Arc<Region<Mr>>,
 }
 
+/// A listen comm and the profiler of the context it was opened in (its
+/// receive comms report to it).
+#[derive(Debug)]
+struct Listener {
+    comm: ListenComm,
+    profiler: Option<Profiler>,
+}
+
+/// A connected send comm with its requests' profiler events.
+#[derive(Debug)]
+struct Sender {
+    comm: Arc<SendComm>,
+    events: Events,
+}
+
+/// A connected receive comm with its requests' profiler events.
+#[derive(Debug)]
+struct Receiver {
+    comm: Arc<RecvComm>,
+    events: Events,
+}
+
 /// The owner of a request (for `test`).
 #[derive(Debug)]
 enum ReqOwner {
-    Send(Arc<SendComm>),
-    Recv(Arc<RecvComm>),
+    Send(Arc<Sender>),
+    Recv(Arc<Receiver>),
+}
+
+impl ReqOwner {
+    fn events(&self) -> &Events {
+        match self {
+            ReqOwner::Send(s) => &s.events,
+            ReqOwner::Recv(r) => &r.events,
+        }
+    }
 }
 
 #[derive(Default)]
 struct Registries {
     ctx: Registry<Ctx>,
-    listen: Registry<ListenComm>,
+    listen: Registry<Listener>,
     /// Send comms whose connect is in progress (not yet handed to NCCL).
     connecting: Registry<SendComm>,
-    send: Registry<SendComm>,
-    recv: Registry<RecvComm>,
+    send: Registry<Sender>,
+    recv: Registry<Receiver>,
     mr: Registry<MrHandle>,
     /// Request spaces -> the comm whose requests they are.
     req: Registry<ReqOwner>,
@@ -124,19 +157,26 @@ fn plugin() -> Result<Arc<Plugin>> {
 
 /// One heartbeat tick over every connected comm (the keeper's work).
 fn keep_alive(now: Instant, pulse: &keeper::Pulse) {
-    for c in REG.send.values() {
-        c.keepalive(now);
+    for s in REG.send.values() {
+        s.comm.keepalive(now);
         pulse.beat();
     }
-    for c in REG.recv.values() {
-        c.keepalive(now);
+    for r in REG.recv.values() {
+        r.comm.keepalive(now);
         pulse.beat();
     }
 }
 
-/// Opens the devices and starts the keeper.
-fn start() -> Result<Running> {
-    let config = config::global()?.clone();
+/// Opens the devices and starts the keeper, with `config` (else the
+/// environment's).
+fn start(config: Option<Config>) -> Result<Running> {
+    let config = match config {
+        Some(c) => {
+            c.log();
+            c
+        }
+        None => config::load()?,
+    };
     let found = device::discover(&config)?;
     let mut devices = Vec::with_capacity(found.len());
     for (index, dev) in found.into_iter().enumerate() {
@@ -194,21 +234,29 @@ pub struct InitArgs {
     pub traffic_class: i32,
 }
 
-/// `init` (v11+): a new context. The first one opens the devices and starts
-/// the keeper.
+/// `init` (v11+): a new context. The first one reads the configuration from
+/// the environment, opens the devices and starts the keeper.
 pub fn init(args: InitArgs) -> Result<*mut c_void> {
+    init_with(args, None)
+}
+
+/// [`init`] with the configuration given instead of read from the
+/// environment (when this `init` is the one that starts the plugin; a
+/// running plugin keeps the configuration it started with).
+pub fn init_with(args: InitArgs, config: Option<Config>) -> Result<*mut c_void> {
     crate::log::set_logger(args.logger);
     // Held until the context is recorded, so a concurrent last finalize
     // cannot tear down what this context uses.
     let mut g = running();
     let r = match &mut *g {
         Some(r) => r,
-        None => g.insert(start()?),
+        None => g.insert(start(config)?),
     };
     Ok(REG.ctx.insert(Arc::new(Ctx {
         comm_id: args.comm_id,
         traffic_class: args.traffic_class,
-        profiler: args.profiler,
+        // SAFETY: NCCL passes its ncclProfilerCallback (or nothing).
+        profiler: unsafe { Profiler::from_addr(args.profiler.unwrap_or(0)) },
         plugin: Arc::clone(&r.plugin),
     })))
 }
@@ -288,7 +336,10 @@ pub fn listen(ctx_p: *mut c_void, dev: i32, handle: &mut [u8; HANDLE_SIZE]) -> R
     let d = device(&c.plugin, dev)?;
     let (comm, h) = ListenComm::open(d)?;
     h.encode(handle).map_err(|e| Error::system(e.to_string()))?;
-    Ok(REG.listen.insert(Arc::new(comm)))
+    Ok(REG.listen.insert(Arc::new(Listener {
+        comm,
+        profiler: c.profiler,
+    })))
 }
 
 /// `connect(ctx, dev, handle)`: one non-blocking step; `Some` once connected.
@@ -338,9 +389,13 @@ pub fn connect(
         Ok(true) => {
             wire::write_stage(handle, None);
             REG.connecting.remove(p);
+            let s = Arc::new(Sender {
+                events: Events::new(c.profiler, comm.dev.index, &comm.peer_name()),
+                comm,
+            });
             REG.req
-                .insert_at(comm.req_space, Arc::new(ReqOwner::Send(Arc::clone(&comm))));
-            Ok(Some(REG.send.insert(comm)))
+                .insert_at(s.comm.req_space, Arc::new(ReqOwner::Send(Arc::clone(&s))));
+            Ok(Some(REG.send.insert(s)))
         }
         Ok(false) => Ok(None),
         Err(e) => {
@@ -356,10 +411,14 @@ pub fn accept(listen: *mut c_void) -> Result<Option<*mut c_void>> {
     let l = REG.listen.get(listen).ok_or_else(|| {
         Error::internal(format!("accept: {listen:p} is not a live Weft listen comm"))
     })?;
-    Ok(l.accept()?.map(|comm| {
+    Ok(l.comm.accept()?.map(|comm| {
+        let r = Arc::new(Receiver {
+            events: Events::new(l.profiler, comm.dev.index, &comm.peer_name()),
+            comm,
+        });
         REG.req
-            .insert_at(comm.req_space, Arc::new(ReqOwner::Recv(Arc::clone(&comm))));
-        REG.recv.insert(comm)
+            .insert_at(r.comm.req_space, Arc::new(ReqOwner::Recv(Arc::clone(&r))));
+        REG.recv.insert(r)
     }))
 }
 
@@ -367,8 +426,8 @@ pub fn accept(listen: *mut c_void) -> Result<Option<*mut c_void>> {
 fn comm_device(comm: *mut c_void) -> Option<Arc<DeviceState>> {
     REG.send
         .get(comm)
-        .map(|c| Arc::clone(&c.dev))
-        .or_else(|| REG.recv.get(comm).map(|c| Arc::clone(&c.dev)))
+        .map(|s| Arc::clone(&s.comm.dev))
+        .or_else(|| REG.recv.get(comm).map(|r| Arc::clone(&r.comm.dev)))
 }
 
 /// `regMr(comm, data, size, type)`.
@@ -470,14 +529,23 @@ pub unsafe fn isend(
     mh: *mut c_void,
     phandle: *mut c_void,
 ) -> Result<Option<*mut c_void>> {
-    let c = REG
+    let s = REG
         .send
         .get(comm)
         .ok_or_else(|| Error::internal(format!("isend: {comm:p} is not a live Weft send comm")))?;
-    let desc = desc_for(mh, c.dev.index, data.cast(), size, "isend")?;
+    let desc = desc_for(mh, s.comm.dev.index, data.cast(), size, "isend")?;
     // SAFETY: the buffer lies inside a live registration of NCCL's memory
     // (checked just above), which NCCL keeps until the request completes.
-    unsafe { c.isend(data.cast(), size, tag, desc, phandle) }
+    let req = unsafe { s.comm.isend(data.cast(), size, tag, desc, phandle) }?;
+    if let Some((r, true)) = req.map(|r| (r, s.events.enabled())) {
+        if let Some((_, slot, _)) = handles::req_parts(r) {
+            s.events.start(
+                slot,
+                std::iter::once((phandle, profiler::OP_SEND, tag, size)),
+            );
+        }
+    }
+    Ok(req)
 }
 
 /// One buffer of a grouped receive, as NCCL describes it.
@@ -509,9 +577,10 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
             props::MAX_RECVS
         )));
     }
-    let c = REG.recv.get(comm).ok_or_else(|| {
+    let r = REG.recv.get(comm).ok_or_else(|| {
         Error::internal(format!("irecv: {comm:p} is not a live Weft receive comm"))
     })?;
+    let c = &r.comm;
     let mut bufs = [RecvBuf {
         data: std::ptr::null_mut(),
         size: 0,
@@ -529,7 +598,17 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
         };
     }
     // SAFETY: every buffer lies inside a live registration (checked above).
-    unsafe { c.irecv(&bufs[..args.len()]) }
+    let req = unsafe { c.irecv(&bufs[..args.len()]) }?;
+    if let Some((q, true)) = req.map(|q| (q, r.events.enabled())) {
+        if let Some((_, slot, _)) = handles::req_parts(q) {
+            r.events.start(
+                slot,
+                args.iter()
+                    .map(|a| (a.phandle, profiler::OP_RECV, a.tag, a.size)),
+            );
+        }
+    }
+    Ok(req)
 }
 
 /// `iflush(recvComm, ...)`: host memory needs no flush, so the request is
@@ -557,19 +636,27 @@ pub fn test(req: *mut c_void) -> Result<Option<Done>> {
         ))
     };
     let (space, slot, gen) = handles::req_parts(req).ok_or_else(not_ours)?;
-    match &*REG.req.get_at(space).ok_or_else(not_ours)? {
-        ReqOwner::Send(c) => c.test(slot, gen),
-        ReqOwner::Recv(c) => c.test(slot, gen),
+    let owner = REG.req.get_at(space).ok_or_else(not_ours)?;
+    let r = match &*owner {
+        ReqOwner::Send(s) => s.comm.test(slot, gen),
+        ReqOwner::Recv(r) => r.comm.test(slot, gen),
+    };
+    let events = owner.events();
+    match &r {
+        Ok(Some(d)) if events.enabled() => events.stop(slot, Some(&d.sizes[..d.n])),
+        Err(_) if events.enabled() => events.stop(slot, None),
+        _ => {}
     }
-    .map_err(|e| e.context(format!("test({req:p})")))
+    r.map_err(|e| e.context(format!("test({req:p})")))
 }
 
 /// `closeSend`.
 pub fn close_send(comm: *mut c_void) -> Result<()> {
-    let c = REG.send.remove(comm).ok_or_else(|| {
+    let s = REG.send.remove(comm).ok_or_else(|| {
         Error::internal(format!("closeSend: {comm:p} is not a live Weft send comm"))
     })?;
-    REG.req.remove_at(c.req_space);
+    REG.req.remove_at(s.comm.req_space);
+    s.events.stop_all();
     Ok(())
 }
 
@@ -580,7 +667,8 @@ pub fn close_recv(comm: *mut c_void) -> Result<()> {
             "closeRecv: {comm:p} is not a live Weft receive comm"
         ))
     })?;
-    REG.req.remove_at(c.req_space);
+    REG.req.remove_at(c.comm.req_space);
+    c.events.stop_all();
     Ok(())
 }
 
@@ -630,14 +718,27 @@ pub fn hold_comm_for_test(
     held: &std::sync::mpsc::Sender<()>,
     release: &std::sync::mpsc::Receiver<()>,
 ) -> Result<()> {
-    if let Some(c) = REG.send.get(comm) {
-        c.hold(held, release);
-    } else if let Some(c) = REG.recv.get(comm) {
-        c.hold(held, release);
+    if let Some(s) = REG.send.get(comm) {
+        s.comm.hold(held, release);
+    } else if let Some(r) = REG.recv.get(comm) {
+        r.comm.hold(held, release);
     } else {
         return Err(Error::internal(format!("{comm:p} is not a live comm")));
     }
     Ok(())
+}
+
+/// Test hook: whether send or receive comm `comm`'s endpoint is still open,
+/// i.e. whether the provider may still own buffers posted on it.
+#[doc(hidden)]
+pub fn endpoint_open_for_test(comm: *mut c_void) -> Result<bool> {
+    if let Some(s) = REG.send.get(comm) {
+        Ok(s.comm.endpoint_open())
+    } else if let Some(r) = REG.recv.get(comm) {
+        Ok(r.comm.endpoint_open())
+    } else {
+        Err(Error::internal(format!("{comm:p} is not a live comm")))
+    }
 }
 
 /// Checks that `ctx` is a live context.

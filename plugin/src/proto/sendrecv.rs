@@ -1073,6 +1073,18 @@ impl SendComm {
         hold(&self.inner, held, release);
     }
 
+    /// Whether the comm's endpoint is still open (the provider may still
+    /// own buffers posted on it). For tests.
+    #[doc(hidden)]
+    pub fn endpoint_open(&self) -> bool {
+        !lock(&self.inner).ep.is_shut_down()
+    }
+
+    /// The peer's address as text (for log lines and profiler events).
+    pub fn peer_name(&self) -> String {
+        lock(&self.inner).link.name.clone()
+    }
+
     /// Tests request `slot` (of generation `gen`) of this comm.
     pub fn test(&self, slot: u32, gen: u32) -> Result<Option<Done>> {
         test_locked(&self.inner, slot, gen)
@@ -1360,6 +1372,18 @@ impl RecvComm {
     #[doc(hidden)]
     pub fn hold(&self, held: &Sender<()>, release: &Receiver<()>) {
         hold(&self.inner, held, release);
+    }
+
+    /// Whether the comm's endpoint is still open (the provider may still
+    /// own buffers posted on it). For tests.
+    #[doc(hidden)]
+    pub fn endpoint_open(&self) -> bool {
+        !lock(&self.inner).ep.is_shut_down()
+    }
+
+    /// The peer's address as text (for log lines and profiler events).
+    pub fn peer_name(&self) -> String {
+        lock(&self.inner).link.name.clone()
     }
 
     /// Tests request `slot` (of generation `gen`) of this comm.
