@@ -194,6 +194,59 @@ pub mod capture {
     }
 }
 
+/// Set in a test's own process by [`rerun_isolated`].
+const ISOLATED: &str = "WEFT_TEST_ISOLATED";
+
+/// Runs the calling test in a process of its own when the harness does not.
+///
+/// The plugin's state (configuration, devices, registries, the keeper) is per
+/// process, and tests choose different providers and timeouts. nextest runs
+/// every test in a process of its own; plain `cargo test` runs a binary's
+/// tests as threads of one process. A test that touches the plugin starts
+/// with [`isolated!`]: under nextest, or in the child, this returns false and
+/// the test goes on; otherwise it runs the same test (by its thread's name,
+/// which libtest sets to the test's) in a child process, shows its output,
+/// fails if it failed, and returns true.
+pub fn rerun_isolated() -> bool {
+    if std::env::var_os("NEXTEST").is_some() || std::env::var_os(ISOLATED).is_some() {
+        return false;
+    }
+    let Some(name) = std::thread::current()
+        .name()
+        .filter(|n| *n != "main")
+        .map(str::to_owned)
+    else {
+        // One test thread (--test-threads=1): tests run one at a time on the
+        // main thread, whose name is not the test's; run in place.
+        return false;
+    };
+    let exe = std::env::current_exe().expect("current_exe");
+    let out = std::process::Command::new(exe)
+        .args([name.as_str(), "--exact", "--nocapture", "--test-threads=1"])
+        .env(ISOLATED, "1")
+        .output()
+        .expect("run the test in a process of its own");
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "{name} failed in its own process ({})",
+        out.status
+    );
+    true
+}
+
+/// Runs the enclosing test in a process of its own (see [`rerun_isolated`]).
+#[macro_export]
+macro_rules! isolated {
+    () => {
+        if $crate::rerun_isolated() {
+            return;
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -48,21 +48,25 @@ fn connect_to_dead_listener(provider: &str, how: &str) {
 
 #[test]
 fn tcp_connect_to_dead_listener_fails() {
+    weft_tests::isolated!();
     connect_to_dead_listener("tcp", "killed");
 }
 
 #[test]
 fn shm_connect_to_dead_listener_fails() {
+    weft_tests::isolated!();
     connect_to_dead_listener("shm", "killed");
 }
 
 #[test]
 fn tcp_connect_to_closed_listener_fails() {
+    weft_tests::isolated!();
     connect_to_dead_listener("tcp", "closed");
 }
 
 #[test]
 fn shm_connect_to_closed_listener_fails() {
+    weft_tests::isolated!();
     connect_to_dead_listener("shm", "closed");
 }
 
@@ -136,6 +140,12 @@ fn dead_peer_mid_transfer(provider: &str) {
             Err(e) => Some(e),
         });
         worst = worst.max(killed.elapsed());
+        // Reported only once the provider owns none of its buffers.
+        let comm = if what == "send" { s } else { r };
+        assert!(
+            !core::endpoint_open_for_test(comm).unwrap(),
+            "{provider}: a {what} failed while the comm's endpoint could still use its buffer"
+        );
         assert_eq!(err.code, core::Code::Remote, "{provider} {what}: {err}");
         assert!(
             err.msg.contains("declared dead"),
@@ -182,11 +192,13 @@ fn dead_peer_mid_transfer(provider: &str) {
 
 #[test]
 fn tcp_dead_peer_fails_requests_in_flight() {
+    weft_tests::isolated!();
     dead_peer_mid_transfer("tcp");
 }
 
 #[test]
 fn shm_dead_peer_fails_requests_in_flight() {
+    weft_tests::isolated!();
     dead_peer_mid_transfer("shm");
 }
 
@@ -224,11 +236,13 @@ fn accept_from_dead_connector(provider: &str) {
 
 #[test]
 fn tcp_accept_from_dead_connector_fails() {
+    weft_tests::isolated!();
     accept_from_dead_connector("tcp");
 }
 
 #[test]
 fn shm_accept_from_dead_connector_fails() {
+    weft_tests::isolated!();
     accept_from_dead_connector("shm");
 }
 
@@ -236,6 +250,7 @@ fn shm_accept_from_dead_connector_fails() {
 /// connecting side fails within the timeout instead of hanging.
 #[test]
 fn tcp_close_listen_mid_handshake() {
+    weft_tests::isolated!();
     std::env::set_var("WEFT_PEER_TIMEOUT", "3");
     let ctx = host::init("tcp");
     let (mut h, l) = host::listen(ctx);
@@ -333,10 +348,12 @@ fn close_in_flight(provider: &str) {
 
 #[test]
 fn tcp_close_in_flight_two_processes() {
+    weft_tests::isolated!();
     close_in_flight("tcp");
 }
 
 #[test]
 fn shm_close_in_flight_two_processes() {
+    weft_tests::isolated!();
     close_in_flight("shm");
 }

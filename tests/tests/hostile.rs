@@ -39,10 +39,12 @@ macro_rules! both {
     ($f:ident: $tcp:ident, $shm:ident) => {
         #[test]
         fn $tcp() {
+            weft_tests::isolated!();
             $f("tcp");
         }
         #[test]
         fn $shm() {
+            weft_tests::isolated!();
             $f("shm");
         }
     };
@@ -367,6 +369,7 @@ both!(sub_range_outlives_no_parent: tcp_sub_range_outlives_no_parent, shm_sub_ra
 /// in the registered pages.
 #[test]
 fn buffers_are_checked_against_the_registered_range() {
+    weft_tests::isolated!();
     let ctx = init("tcp");
     let (s, r) = pair(ctx);
     let mut rb = vec![0u8; 8192];
@@ -404,6 +407,7 @@ fn buffers_are_checked_against_the_registered_range() {
 /// connect-stage bytes never name a live object.
 #[test]
 fn stale_pointers_never_alias_live_objects() {
+    weft_tests::isolated!();
     let ctx = init("tcp");
     let (s, r) = pair(ctx);
     let src = pattern(0, 2, 100_000);
@@ -462,6 +466,7 @@ fn stale_pointers_never_alias_live_objects() {
 /// listen and regMr with a NULL out-pointer create nothing.
 #[test]
 fn null_out_pointers_create_nothing() {
+    weft_tests::isolated!();
     use weft::adapter::net;
     let ctx = init("tcp");
     let (s, r) = pair(ctx);
@@ -502,6 +507,7 @@ fn null_out_pointers_create_nothing() {
 /// and other comms carry on.
 #[test]
 fn the_data_path_never_waits_for_a_held_comm() {
+    weft_tests::isolated!();
     let ctx = init("shm");
     let (s, r) = pair(ctx);
     let (s2, r2) = pair(ctx);

@@ -7,6 +7,7 @@ use weft_tests::capture::{lines, weft_test_capture_logger};
 
 #[test]
 fn events_reach_the_nccl_logger_with_a_constant_format() {
+    weft_tests::isolated!();
     // One test process per test (nextest), so setting NCCL_DEBUG here is safe.
     std::env::set_var("NCCL_DEBUG", "TRACE");
     weft::log::set_logger(Some(weft_test_capture_logger));
@@ -46,6 +47,7 @@ fn events_reach_the_nccl_logger_with_a_constant_format() {
 
 #[test]
 fn a_callsite_seen_before_the_logger_still_reaches_it_later() {
+    weft_tests::isolated!();
     std::env::set_var("NCCL_DEBUG", "WARN");
     weft::log::install_subscriber();
     let emit = |n: u32| tracing::warn!("same callsite, call {n}");
@@ -63,6 +65,7 @@ fn a_callsite_seen_before_the_logger_still_reaches_it_later() {
 
 #[test]
 fn nccl_debug_warn_filters_info() {
+    weft_tests::isolated!();
     std::env::set_var("NCCL_DEBUG", "WARN");
     weft::log::set_logger(Some(weft_test_capture_logger));
     tracing::info!("not forwarded at NCCL_DEBUG=WARN");
@@ -74,6 +77,7 @@ fn nccl_debug_warn_filters_info() {
 
 #[test]
 fn nothing_is_printed_before_nccl_hands_a_logger() {
+    weft_tests::isolated!();
     let probe = env!("CARGO_BIN_EXE_weft-log-probe");
     let out = Command::new(probe).output().expect("run weft-log-probe");
     assert!(out.status.success(), "{out:?}");

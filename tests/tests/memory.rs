@@ -21,6 +21,7 @@ fn rss(peer: &mut Peer) -> u64 {
 
 #[test]
 fn tcp_receiver_memory_is_bounded_by_credits() {
+    weft_tests::isolated!();
     let mut peer = Peer::spawn(PEER);
     peer.cmd("init tcp");
     let ctx = host::init("tcp");

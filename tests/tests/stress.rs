@@ -97,11 +97,13 @@ fn drive(p: Pair) {
 
 #[test]
 fn tcp_eight_pairs_four_threads_with_registration_alongside() {
+    weft_tests::isolated!();
     run("tcp");
 }
 
 #[test]
 fn shm_eight_pairs_four_threads_with_registration_alongside() {
+    weft_tests::isolated!();
     run("shm");
 }
 

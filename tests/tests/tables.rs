@@ -9,6 +9,7 @@ use weft_tests::emu;
 /// succeeds in its version's shape, and `devices()` = 0 (no CollNet here).
 #[test]
 fn collnet_tables_report_no_devices() {
+    weft_tests::isolated!();
     use weft as g;
     let lib = emu::open();
     macro_rules! collnet {

@@ -63,10 +63,12 @@ fn both_directions(provider: &str) {
 
 #[test]
 fn tcp_two_processes() {
+    weft_tests::isolated!();
     both_directions("tcp");
 }
 
 #[test]
 fn shm_two_processes() {
+    weft_tests::isolated!();
     both_directions("shm");
 }
