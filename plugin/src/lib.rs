@@ -12,6 +12,19 @@
 //! built library and fails on any other exported symbol.
 
 pub mod adapter;
+
+/// The NCCL releases that pick each net API version (the reference sheet,
+/// §4.3): NCCL looks up the newest table it knows.
+pub const NCCL_RELEASES: &[(u32, &str)] = &[
+    (5, "2.12"),
+    (6, "2.13-2.18"),
+    (7, "2.19"),
+    (8, "2.20-2.23"),
+    (9, "2.24-2.25"),
+    (10, "2.26-2.27"),
+    (11, "2.28-2.29"),
+    (12, "2.30-"),
+];
 pub mod config;
 pub mod core;
 pub mod device;

@@ -34,17 +34,10 @@ pub fn plugin_path() -> PathBuf {
 
 /// The NCCL releases that pick each net API version (reference §4.3).
 pub fn releases(version: u32) -> &'static str {
-    match version {
-        5 => "2.12",
-        6 => "2.13-2.18",
-        7 => "2.19",
-        8 => "2.20-2.23",
-        9 => "2.24-2.25",
-        10 => "2.26-2.27",
-        11 => "2.28-2.29",
-        12 => "2.30-",
-        _ => "?",
-    }
+    weft::NCCL_RELEASES
+        .iter()
+        .find(|(v, _)| *v == version)
+        .map_or("?", |(_, r)| r)
 }
 
 /// `Ok` for ncclSuccess, else an error naming the call and the code.
