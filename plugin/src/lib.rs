@@ -28,6 +28,7 @@ pub const NCCL_RELEASES: &[(u32, &str)] = &[
 pub mod config;
 pub mod core;
 pub mod device;
+pub mod error;
 pub mod fabric;
 pub mod freelist;
 pub mod log;

@@ -70,8 +70,9 @@ fn serial_of(p: *const c_void) -> Option<u64> {
 
 /// Slot index bits of a request token.
 const REQ_SLOT_BITS: u32 = 10;
-/// Generation bits of a request token.
-const REQ_GEN_BITS: u32 = 16;
+/// Generation bits of a request token (the pool compares generations
+/// this wide).
+const REQ_GEN_BITS: u32 = crate::proto::pool::GEN_BITS;
 
 /// The token NCCL gets for slot `slot` (generation `gen`) of the request
 /// space `space`.
@@ -98,21 +99,16 @@ pub fn req_parts(p: *const c_void) -> Option<(u64, u32, u32)> {
     ))
 }
 
-/// Whether generation `gen` (as a slot counts it) matches a token's.
-pub fn same_gen(gen: u32, token_gen: u32) -> bool {
-    gen & ((1 << REQ_GEN_BITS) - 1) == token_gen
-}
-
 /// Live objects of one kind, keyed by serial number. Lookups clone the
 /// `Arc` and let go of the lock at once: no lock is held while the caller
 /// works (the data path calls libfabric), so a connect or close that writes
 /// here never waits for, or stalls, a data-path call.
 #[derive(Debug)]
-pub struct Registry<T> {
+pub struct Registry<T: ?Sized> {
     map: RwLock<TokenMap<T>>,
 }
 
-impl<T> Default for Registry<T> {
+impl<T: ?Sized> Default for Registry<T> {
     fn default() -> Self {
         Self {
             map: RwLock::new(TokenMap::default()),
@@ -120,7 +116,7 @@ impl<T> Default for Registry<T> {
     }
 }
 
-impl<T> Registry<T> {
+impl<T: ?Sized> Registry<T> {
     /// Records `v` under a new token and returns the token for NCCL.
     pub fn insert(&self, v: Arc<T>) -> *mut c_void {
         let s = serial();
@@ -205,8 +201,11 @@ mod tests {
         let t = req_token(s, 255, 70_000);
         let (space, slot, gen) = req_parts(t).unwrap();
         assert_eq!((space, slot), (s, 255));
-        assert!(same_gen(70_000, gen));
-        assert!(!same_gen(70_001, gen));
+        assert_eq!(
+            gen,
+            70_000 & ((1 << REQ_GEN_BITS) - 1),
+            "the generation, modulo its width"
+        );
         assert!(
             req_parts(token_of(s)).is_none(),
             "a comm token is no request"

@@ -7,49 +7,28 @@
 //! never reused, and validated on the way back in. No registry lock is held
 //! while libfabric runs. No version number appears here.
 
-pub mod error;
 pub mod handles;
 pub mod keeper;
-pub mod pool;
 pub mod profiler;
 pub mod props;
 
 use std::ffi::c_void;
 use std::sync::{Arc, LazyLock, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-pub use error::{Code, Error, Result};
+pub use crate::error::{Code, Error, Result};
+pub use crate::proto::{DeviceState, Done};
 pub use props::Properties;
 
 use crate::config::{self, Config};
-use crate::device::{self, Device};
+use crate::device;
 use crate::fabric::{Domain, DomainRegistrar, Mr};
 use crate::log::NcclDebugLogger;
 use crate::mr::{MrCache, Region};
-pub use crate::proto::sendrecv::Done;
-use crate::proto::sendrecv::{heartbeat_period, ListenComm, RecvBuf, RecvComm, SendComm};
 use crate::proto::wire::{self, ListenHandle, HANDLE_SIZE};
+use crate::proto::{self, heartbeat_period, Protocol, RecvBuf, ReqId};
 use handles::Registry;
 use profiler::{Events, Profiler};
-
-/// One device with everything shared by its comms.
-#[derive(Debug)]
-pub struct DeviceState {
-    /// NCCL's index.
-    pub index: usize,
-    /// What discovery found.
-    pub dev: Device,
-    /// What `getProperties` reports.
-    pub props: Properties,
-    /// The domain every comm of the device uses.
-    pub domain: Arc<Domain>,
-    /// Registrations, shared by all comms of the device.
-    pub mr: MrCache<DomainRegistrar>,
-    /// `WEFT_EAGER_SIZE`.
-    pub eager_size: usize,
-    /// `WEFT_PEER_TIMEOUT`.
-    pub peer_timeout: Duration,
-}
 
 /// The process-wide state behind every context.
 #[derive(Debug)]
@@ -58,6 +37,10 @@ pub struct Plugin {
     pub config: Config,
     /// Devices, by NCCL index.
     pub devices: Vec<Arc<DeviceState>>,
+    /// What `getProperties` reports for each device.
+    pub props: Vec<Properties>,
+    /// The protocol every comm uses.
+    pub protocol: Arc<dyn Protocol>,
 }
 
 /// A context: per communicator (v11+) or the one process context (older).
@@ -86,21 +69,25 @@ pub struct MrHandle {
 /// receive comms report to it).
 #[derive(Debug)]
 struct Listener {
-    comm: ListenComm,
+    comm: Arc<dyn proto::Listener>,
     profiler: Option<Profiler>,
 }
 
-/// A connected send comm with its requests' profiler events.
+/// A connected send comm, the request space of its request tokens, and its
+/// requests' profiler events.
 #[derive(Debug)]
 struct Sender {
-    comm: Arc<SendComm>,
+    comm: Arc<dyn proto::Sender>,
+    req_space: u64,
     events: Events,
 }
 
-/// A connected receive comm with its requests' profiler events.
+/// A connected receive comm, the request space of its request tokens, and
+/// its requests' profiler events.
 #[derive(Debug)]
 struct Receiver {
-    comm: Arc<RecvComm>,
+    comm: Arc<dyn proto::Receiver>,
+    req_space: u64,
     events: Events,
 }
 
@@ -125,7 +112,7 @@ struct Registries {
     ctx: Registry<Ctx>,
     listen: Registry<Listener>,
     /// Send comms whose connect is in progress (not yet handed to NCCL).
-    connecting: Registry<SendComm>,
+    connecting: Registry<dyn proto::Sender>,
     send: Registry<Sender>,
     recv: Registry<Receiver>,
     mr: Registry<MrHandle>,
@@ -178,15 +165,17 @@ fn start(config: Option<Config>) -> Result<Running> {
         None => config::load()?,
     };
     let found = device::discover(&config)?;
+    let protocol = proto::protocol();
+    tracing::info!(target: "weft::init", "protocol: {} (the only one in this build)", protocol.name());
     let mut devices = Vec::with_capacity(found.len());
+    let mut all_props = Vec::with_capacity(found.len());
     for (index, dev) in found.into_iter().enumerate() {
-        let props = props::properties(index, &dev, &config);
+        all_props.push(props::properties(index, &dev, &config));
         let domain = Domain::open(dev.info.as_ref()).map_err(|e| {
             Error::from(e).context(format!("opening device {index} ({})", dev.domain))
         })?;
         devices.push(Arc::new(DeviceState {
             index,
-            props,
             mr: MrCache::new(DomainRegistrar(Arc::clone(&domain))),
             domain,
             eager_size: config.eager_size,
@@ -196,7 +185,12 @@ fn start(config: Option<Config>) -> Result<Running> {
     }
     let keeper = keeper::Keeper::start(heartbeat_period(config.peer_timeout), keep_alive)?;
     Ok(Running {
-        plugin: Arc::new(Plugin { config, devices }),
+        plugin: Arc::new(Plugin {
+            config,
+            devices,
+            props: all_props,
+            protocol,
+        }),
         keeper,
     })
 }
@@ -327,14 +321,14 @@ fn device(plugin: &Plugin, dev: i32) -> Result<Arc<DeviceState>> {
 
 /// `getProperties(dev)`.
 pub fn properties(dev: i32) -> Result<Properties> {
-    Ok(device(&*plugin()?, dev)?.props.clone())
+    with_properties(dev, |p| Ok(p.clone()))
 }
 
 /// `listen(ctx, dev, handle)`: never blocks.
 pub fn listen(ctx_p: *mut c_void, dev: i32, handle: &mut [u8; HANDLE_SIZE]) -> Result<*mut c_void> {
     let c = ctx(ctx_p)?;
     let d = device(&c.plugin, dev)?;
-    let (comm, h) = ListenComm::open(d)?;
+    let (comm, h) = c.plugin.protocol.listen(d)?;
     h.encode(handle).map_err(|e| Error::system(e.to_string()))?;
     Ok(REG.listen.insert(Arc::new(Listener {
         comm,
@@ -362,11 +356,10 @@ pub fn connect(
     let (comm, p) = match stage {
         None => {
             let d = device(&c.plugin, dev)?;
-            let comm = Arc::new(SendComm::start(
-                d,
-                &h,
-                traffic_class.unwrap_or(c.traffic_class),
-            )?);
+            let comm =
+                c.plugin
+                    .protocol
+                    .connect(d, &h, traffic_class.unwrap_or(c.traffic_class))?;
             let p = REG.connecting.insert(Arc::clone(&comm));
             wire::write_stage(handle, Some(p as usize));
             (comm, p)
@@ -376,7 +369,7 @@ pub fn connect(
             let comm = REG
                 .connecting
                 .get(p)
-                .filter(|comm| comm.listener_nonce == h.nonce)
+                .filter(|comm| comm.listener_nonce() == h.nonce)
                 .ok_or_else(|| {
                     Error::internal(
                         "connect: the handle's connect stage names no connect in progress to this listener (handle reused or corrupted)",
@@ -390,11 +383,12 @@ pub fn connect(
             wire::write_stage(handle, None);
             REG.connecting.remove(p);
             let s = Arc::new(Sender {
-                events: Events::new(c.profiler, comm.dev.index, &comm.peer_name()),
+                events: Events::new(c.profiler, comm.dev().index, &comm.peer_name()),
+                req_space: handles::serial(),
                 comm,
             });
             REG.req
-                .insert_at(s.comm.req_space, Arc::new(ReqOwner::Send(Arc::clone(&s))));
+                .insert_at(s.req_space, Arc::new(ReqOwner::Send(Arc::clone(&s))));
             Ok(Some(REG.send.insert(s)))
         }
         Ok(false) => Ok(None),
@@ -413,11 +407,12 @@ pub fn accept(listen: *mut c_void) -> Result<Option<*mut c_void>> {
     })?;
     Ok(l.comm.accept()?.map(|comm| {
         let r = Arc::new(Receiver {
-            events: Events::new(l.profiler, comm.dev.index, &comm.peer_name()),
+            events: Events::new(l.profiler, comm.dev().index, &comm.peer_name()),
+            req_space: handles::serial(),
             comm,
         });
         REG.req
-            .insert_at(r.comm.req_space, Arc::new(ReqOwner::Recv(Arc::clone(&r))));
+            .insert_at(r.req_space, Arc::new(ReqOwner::Recv(Arc::clone(&r))));
         REG.recv.insert(r)
     }))
 }
@@ -426,8 +421,8 @@ pub fn accept(listen: *mut c_void) -> Result<Option<*mut c_void>> {
 fn comm_device(comm: *mut c_void) -> Option<Arc<DeviceState>> {
     REG.send
         .get(comm)
-        .map(|s| Arc::clone(&s.comm.dev))
-        .or_else(|| REG.recv.get(comm).map(|r| Arc::clone(&r.comm.dev)))
+        .map(|s| Arc::clone(s.comm.dev()))
+        .or_else(|| REG.recv.get(comm).map(|r| Arc::clone(r.comm.dev())))
 }
 
 /// `regMr(comm, data, size, type)`.
@@ -533,19 +528,17 @@ pub unsafe fn isend(
         .send
         .get(comm)
         .ok_or_else(|| Error::internal(format!("isend: {comm:p} is not a live Weft send comm")))?;
-    let desc = desc_for(mh, s.comm.dev.index, data.cast(), size, "isend")?;
+    let desc = desc_for(mh, s.comm.dev().index, data.cast(), size, "isend")?;
     // SAFETY: the buffer lies inside a live registration of NCCL's memory
     // (checked just above), which NCCL keeps until the request completes.
-    let req = unsafe { s.comm.isend(data.cast(), size, tag, desc, phandle) }?;
-    if let Some((r, true)) = req.map(|r| (r, s.events.enabled())) {
-        if let Some((_, slot, _)) = handles::req_parts(r) {
-            s.events.start(
-                slot,
-                std::iter::once((phandle, profiler::OP_SEND, tag, size)),
-            );
-        }
-    }
-    Ok(req)
+    let Some(id) = unsafe { s.comm.isend(data.cast(), size, tag, desc, phandle) }? else {
+        return Ok(None);
+    };
+    s.events.start(
+        id.slot,
+        std::iter::once((phandle, profiler::OP_SEND, tag, size)),
+    );
+    Ok(Some(handles::req_token(s.req_space, id.slot, id.gen)))
 }
 
 /// One buffer of a grouped receive, as NCCL describes it.
@@ -580,7 +573,7 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
     let r = REG.recv.get(comm).ok_or_else(|| {
         Error::internal(format!("irecv: {comm:p} is not a live Weft receive comm"))
     })?;
-    let c = &r.comm;
+    let dev = r.comm.dev().index;
     let mut bufs = [RecvBuf {
         data: std::ptr::null_mut(),
         size: 0,
@@ -593,22 +586,20 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
             data: a.data.cast(),
             size: a.size,
             tag: a.tag,
-            desc: desc_for(a.mhandle, c.dev.index, a.data.cast(), a.size, "irecv")?,
+            desc: desc_for(a.mhandle, dev, a.data.cast(), a.size, "irecv")?,
             phandle: a.phandle,
         };
     }
     // SAFETY: every buffer lies inside a live registration (checked above).
-    let req = unsafe { c.irecv(&bufs[..args.len()]) }?;
-    if let Some((q, true)) = req.map(|q| (q, r.events.enabled())) {
-        if let Some((_, slot, _)) = handles::req_parts(q) {
-            r.events.start(
-                slot,
-                args.iter()
-                    .map(|a| (a.phandle, profiler::OP_RECV, a.tag, a.size)),
-            );
-        }
-    }
-    Ok(req)
+    let Some(id) = unsafe { r.comm.irecv(&bufs[..args.len()]) }? else {
+        return Ok(None);
+    };
+    r.events.start(
+        id.slot,
+        args.iter()
+            .map(|a| (a.phandle, profiler::OP_RECV, a.tag, a.size)),
+    );
+    Ok(Some(handles::req_token(r.req_space, id.slot, id.gen)))
 }
 
 /// `iflush(recvComm, ...)`: host memory needs no flush, so the request is
@@ -637,9 +628,10 @@ pub fn test(req: *mut c_void) -> Result<Option<Done>> {
     };
     let (space, slot, gen) = handles::req_parts(req).ok_or_else(not_ours)?;
     let owner = REG.req.get_at(space).ok_or_else(not_ours)?;
+    let id = ReqId { slot, gen };
     let r = match &*owner {
-        ReqOwner::Send(s) => s.comm.test(slot, gen),
-        ReqOwner::Recv(r) => r.comm.test(slot, gen),
+        ReqOwner::Send(s) => s.comm.test(id),
+        ReqOwner::Recv(r) => r.comm.test(id),
     };
     let events = owner.events();
     match &r {
@@ -655,7 +647,7 @@ pub fn close_send(comm: *mut c_void) -> Result<()> {
     let s = REG.send.remove(comm).ok_or_else(|| {
         Error::internal(format!("closeSend: {comm:p} is not a live Weft send comm"))
     })?;
-    REG.req.remove_at(s.comm.req_space);
+    REG.req.remove_at(s.req_space);
     s.events.stop_all();
     Ok(())
 }
@@ -667,7 +659,7 @@ pub fn close_recv(comm: *mut c_void) -> Result<()> {
             "closeRecv: {comm:p} is not a live Weft receive comm"
         ))
     })?;
-    REG.req.remove_at(c.comm.req_space);
+    REG.req.remove_at(c.req_space);
     c.events.stop_all();
     Ok(())
 }
@@ -706,7 +698,9 @@ pub fn device_stats(dev: i32) -> Result<DeviceStats> {
 /// Runs `f` on device `dev`'s properties (which live as long as the plugin,
 /// so pointers into them stay valid for NCCL).
 pub fn with_properties<T>(dev: i32, f: impl FnOnce(&Properties) -> Result<T>) -> Result<T> {
-    f(&device(&*plugin()?, dev)?.props)
+    let p = plugin()?;
+    let d = device(&p, dev)?;
+    f(&p.props[d.index])
 }
 
 /// Test hook: holds the state lock of send or receive comm `comm`, as a

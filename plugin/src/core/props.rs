@@ -10,10 +10,7 @@ use crate::device::Device;
 pub const PTR_HOST: i32 = 0x1;
 /// `NCCL_PTR_CUDA`.
 pub const PTR_CUDA: i32 = 0x2;
-/// Largest `n` of a grouped receive (NCCL's IB transport uses 8 too).
-pub const MAX_RECVS: usize = 8;
-/// `NCCL_NET_MAX_REQUESTS` since NCCL 2.19.
-pub const MAX_REQUESTS: usize = 32;
+pub use crate::proto::{MAX_RECVS, MAX_REQUESTS};
 /// NCCL's own fallback speed when a NIC reports none (Mbit/s).
 pub const DEFAULT_SPEED_MBPS: i32 = 10_000;
 /// `NCCL_MAX_NET_SIZE_BYTES`: NCCL refuses `maxP2pBytes` above 1 TiB.

@@ -1,5 +1,172 @@
-//! Protocols over libfabric. `wire` is the pure encoding; `sendrecv` is the
-//! tagged-message protocol (the only one in this build).
+//! Protocols over libfabric, behind one interface.
+//!
+//! The core holds listen, send and receive comms as [`Listener`], [`Sender`]
+//! and [`Receiver`] trait objects made by a [`Protocol`], and names no
+//! protocol's types. What every protocol shares lives here, below them all:
+//! the device state, the limits NCCL is told, request pools ([`pool`]), the
+//! control-message encoding ([`wire`]), the liveness period, and the types a
+//! request's completion is reported in. A protocol never imports the core.
+//!
+//! `sendrecv` (NCCL messages as libfabric tagged messages) is the one
+//! protocol in this build.
 
+use std::ffi::c_void;
+use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::device::Device;
+use crate::error::Result;
+use crate::fabric::{Domain, DomainRegistrar};
+use crate::mr::MrCache;
+
+pub mod pool;
 pub mod sendrecv;
 pub mod wire;
+
+use wire::ListenHandle;
+
+/// Largest `n` of a grouped receive (`maxRecvs`; NCCL's IB transport uses 8 too).
+pub const MAX_RECVS: usize = 8;
+/// `NCCL_NET_MAX_REQUESTS` since NCCL 2.19: requests NCCL keeps in flight per comm.
+pub const MAX_REQUESTS: usize = 32;
+
+/// One device with everything its comms share, whatever their protocol.
+#[derive(Debug)]
+pub struct DeviceState {
+    /// NCCL's index.
+    pub index: usize,
+    /// What discovery found.
+    pub dev: Device,
+    /// The domain every comm of the device uses.
+    pub domain: Arc<Domain>,
+    /// Registrations, shared by all comms of the device.
+    pub mr: MrCache<DomainRegistrar>,
+    /// `WEFT_EAGER_SIZE`.
+    pub eager_size: usize,
+    /// `WEFT_PEER_TIMEOUT`.
+    pub peer_timeout: Duration,
+}
+
+/// How often each end of a comm says it is alive: an eighth of the peer
+/// timeout, so a live peer gets seven chances within one timeout.
+pub fn heartbeat_period(peer_timeout: Duration) -> Duration {
+    (peer_timeout / 8).max(Duration::from_millis(1))
+}
+
+/// One receive buffer of a grouped receive.
+#[derive(Debug, Clone, Copy)]
+pub struct RecvBuf {
+    /// Where the message goes.
+    pub data: *mut u8,
+    /// Its capacity.
+    pub size: usize,
+    /// The sender's tag it accepts.
+    pub tag: i32,
+    /// Registration descriptor (NULL when the provider needs none).
+    pub desc: *mut c_void,
+    /// NCCL profiler handle (kept, v10+).
+    pub phandle: *mut c_void,
+}
+
+// SAFETY: the pointers are addresses of NCCL's buffers, descriptors and
+// profiler handles, only handed to libfabric or back to NCCL, never
+// dereferenced by Weft; they are valid from any thread.
+unsafe impl Send for RecvBuf {}
+
+/// The result of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Done {
+    /// Buffers (1 for a send).
+    pub n: usize,
+    /// Bytes moved per buffer.
+    pub sizes: [usize; MAX_RECVS],
+}
+
+/// A request of a comm, as its protocol names it: a slot of the comm's
+/// request pool and that slot's generation (see [`pool::Pool::gen`]). The
+/// core turns it into the token NCCL holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReqId {
+    /// The slot.
+    pub slot: u32,
+    /// The slot's generation when the request was made.
+    pub gen: u32,
+}
+
+/// A protocol: makes the comms of a device.
+pub trait Protocol: Send + Sync + std::fmt::Debug {
+    /// Its name (`sendrecv`).
+    fn name(&self) -> &'static str;
+    /// Opens a listener on `dev`, with the handle NCCL sends to the peer.
+    fn listen(&self, dev: Arc<DeviceState>) -> Result<(Arc<dyn Listener>, ListenHandle)>;
+    /// Starts connecting to the listener named by `handle`.
+    fn connect(
+        &self,
+        dev: Arc<DeviceState>,
+        handle: &ListenHandle,
+        traffic_class: i32,
+    ) -> Result<Arc<dyn Sender>>;
+}
+
+/// A listening comm.
+pub trait Listener: Send + Sync + std::fmt::Debug {
+    /// One accept step: a receive comm once a peer connected. Never blocks.
+    fn accept(&self) -> Result<Option<Arc<dyn Receiver>>>;
+}
+
+/// What send and receive comms have in common.
+pub trait Comm: Send + Sync + std::fmt::Debug {
+    /// The device.
+    fn dev(&self) -> &Arc<DeviceState>;
+    /// Tests request `id`: `Some` once done (it is then freed). Never blocks.
+    fn test(&self, id: ReqId) -> Result<Option<Done>>;
+    /// One heartbeat tick (the keeper thread). Never waits for a busy comm.
+    fn keepalive(&self, now: Instant);
+    /// The peer's address as text (log lines, profiler events).
+    fn peer_name(&self) -> String;
+    /// Test hook: holds the comm's state as a keeper stuck in the provider
+    /// would, until `release` fires; `held` is signalled once held.
+    #[doc(hidden)]
+    fn hold(&self, held: &Tx<()>, release: &Rx<()>);
+    /// Test hook: whether the provider may still own buffers posted on the
+    /// comm (its endpoint is open).
+    #[doc(hidden)]
+    fn endpoint_open(&self) -> bool;
+}
+
+/// A sending comm (also the state of a `connect` in progress).
+pub trait Sender: Comm {
+    /// The nonce of the listener it connects to (from NCCL's handle).
+    fn listener_nonce(&self) -> u64;
+    /// One connect step: `Ok(true)` once connected. Never blocks.
+    fn step_connect(&self) -> Result<bool>;
+    /// Posts a send; `Ok(None)` when it cannot now (retry later).
+    ///
+    /// # Safety
+    /// `data..data+size` must be readable and stay valid until the request is
+    /// reported done; `desc` must be its registration's descriptor (or NULL).
+    unsafe fn isend(
+        &self,
+        data: *const u8,
+        size: usize,
+        tag: i32,
+        desc: *mut c_void,
+        phandle: *mut c_void,
+    ) -> Result<Option<ReqId>>;
+}
+
+/// A receiving comm.
+pub trait Receiver: Comm {
+    /// Posts a grouped receive; `Ok(None)` when it cannot now (retry later).
+    ///
+    /// # Safety
+    /// Every buffer must be writable for its size and stay valid until the
+    /// request is reported done (or the comm is closed).
+    unsafe fn irecv(&self, bufs: &[RecvBuf]) -> Result<Option<ReqId>>;
+}
+
+/// The protocol this build runs.
+pub fn protocol() -> Arc<dyn Protocol> {
+    Arc::new(sendrecv::SendRecv)
+}

@@ -42,17 +42,19 @@
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use libfabric_sys as fi;
 
+use super::pool::{Pool, SLOT_ALIGN};
 use super::wire::{Ctrl, ListenHandle, CTRL_MAX};
-use crate::core::handles;
-use crate::core::pool::{Pool, SLOT_ALIGN};
-use crate::core::props::{MAX_RECVS, MAX_REQUESTS};
-use crate::core::{DeviceState, Error, Result};
+use super::{
+    heartbeat_period, Comm, DeviceState, Done, Listener, Protocol, Receiver, RecvBuf, ReqId,
+    Sender, MAX_RECVS, MAX_REQUESTS,
+};
+use crate::error::{Error, Result};
 use crate::fabric::local::{self, LocalEp, Locality};
 use crate::fabric::DomainRegistrar;
 use crate::fabric::{Completion, CompletionError, Cq, CqError, Endpoint, FiAddr, FiError};
@@ -85,10 +87,26 @@ const ACCEPTED_MEMORY: usize = 16;
 /// How often a comm's lock is tried before the keeper skips it for a tick.
 const KEEPER_TRIES: u32 = 64;
 
-/// How often each end of a comm says it is alive: an eighth of the peer
-/// timeout, so a live peer gets seven chances within one timeout.
-pub fn heartbeat_period(peer_timeout: Duration) -> Duration {
-    (peer_timeout / 8).max(Duration::from_millis(1))
+/// The SENDRECV protocol.
+#[derive(Debug, Clone, Copy)]
+pub struct SendRecv;
+
+impl Protocol for SendRecv {
+    fn name(&self) -> &'static str {
+        "sendrecv"
+    }
+    fn listen(&self, dev: Arc<DeviceState>) -> Result<(Arc<dyn Listener>, ListenHandle)> {
+        let (l, h) = ListenComm::open(dev)?;
+        Ok((Arc::new(l), h))
+    }
+    fn connect(
+        &self,
+        dev: Arc<DeviceState>,
+        handle: &ListenHandle,
+        traffic_class: i32,
+    ) -> Result<Arc<dyn Sender>> {
+        Ok(Arc::new(SendComm::start(dev, handle, traffic_class)?))
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -459,26 +477,6 @@ enum Kind {
     Recv,
 }
 
-/// One receive buffer of a grouped receive.
-#[derive(Debug, Clone, Copy)]
-pub struct RecvBuf {
-    /// Where the message goes.
-    pub data: *mut u8,
-    /// Its capacity.
-    pub size: usize,
-    /// The sender's tag it accepts.
-    pub tag: i32,
-    /// Registration descriptor (NULL when the provider needs none).
-    pub desc: *mut c_void,
-    /// NCCL profiler handle (kept, v10+).
-    pub phandle: *mut c_void,
-}
-
-// SAFETY: the pointers are addresses of NCCL's buffers, descriptors and
-// profiler handles, only handed to libfabric or back to NCCL, never
-// dereferenced by Weft; they are valid from any thread.
-unsafe impl Send for RecvBuf {}
-
 /// A request in a comm's pool; its address is the handle NCCL tests.
 #[derive(Debug, Clone, Copy)]
 struct Request {
@@ -497,15 +495,6 @@ const NO_BUF: RecvBuf = RecvBuf {
     desc: std::ptr::null_mut(),
     phandle: std::ptr::null_mut(),
 };
-
-/// The result of a finished request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Done {
-    /// Buffers (1 for a send).
-    pub n: usize,
-    /// Bytes moved per buffer.
-    pub sizes: [usize; MAX_RECVS],
-}
 
 fn decode_ctx(ctx: *mut c_void) -> (*const u8, u8) {
     let a = ctx as usize;
@@ -809,7 +798,7 @@ impl ListenComm {
     /// handshake that fails or expires is dropped with a warning, and the
     /// others carry on; `accept` reports the failure only when nothing else
     /// is pending (NCCL connects one peer per listener, so that peer died).
-    pub fn accept(&self) -> Result<Option<Arc<RecvComm>>> {
+    fn accept_comm(&self) -> Result<Option<Arc<RecvComm>>> {
         let mut st = lock(&self.inner);
         let st = &mut *st;
         st.ctrl.repost_waiting(&st.ep)?;
@@ -856,6 +845,12 @@ impl ListenComm {
     }
 }
 
+impl Listener for ListenComm {
+    fn accept(&self) -> Result<Option<Arc<dyn Receiver>>> {
+        Ok(self.accept_comm()?.map(|c| -> Arc<dyn Receiver> { c }))
+    }
+}
+
 // ---------------------------------------------------------------- send
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -871,10 +866,8 @@ pub struct SendComm {
     /// NCCL's traffic class for this connection (-1: undefined). Kept; no
     /// provider in use here applies one.
     pub traffic_class: i32,
-    /// The request space of this comm's request tokens.
-    pub(crate) req_space: u64,
     /// The nonce of the listener it connects to (from NCCL's handle).
-    pub(crate) listener_nonce: u64,
+    listener_nonce: u64,
     inner: Mutex<SendState>,
 }
 
@@ -920,7 +913,6 @@ impl SendComm {
         Ok(Self {
             dev,
             traffic_class,
-            req_space: handles::serial(),
             listener_nonce: handle.nonce,
             inner: Mutex::new(SendState {
                 ep,
@@ -939,9 +931,14 @@ impl SendComm {
             }),
         })
     }
+}
 
-    /// One connect step: `Ok(true)` once connected.
-    pub fn step_connect(&self) -> Result<bool> {
+impl Sender for SendComm {
+    fn listener_nonce(&self) -> u64 {
+        self.listener_nonce
+    }
+
+    fn step_connect(&self) -> Result<bool> {
         let mut st = lock(&self.inner);
         let now = Instant::now();
         let resend = st.phase == Phase::AwaitAck
@@ -980,19 +977,16 @@ impl SendComm {
         Ok(false)
     }
 
-    /// Posts a send; `Ok(None)` when out of credits or requests (retry later).
-    ///
-    /// # Safety
-    /// `data..data+size` must be readable and stay valid until the request is
-    /// reported done; `desc` must be its registration's descriptor (or NULL).
-    pub unsafe fn isend(
+    /// `Ok(None)` when out of credits or requests, or while another
+    /// thread holds the comm.
+    unsafe fn isend(
         &self,
         data: *const u8,
         size: usize,
         tag: i32,
         desc: *mut c_void,
         phandle: *mut c_void,
-    ) -> Result<Option<*mut c_void>> {
+    ) -> Result<Option<ReqId>> {
         let Some(mut st) = try_lock(&self.inner) else {
             return Ok(None);
         };
@@ -1049,11 +1043,10 @@ impl SendComm {
         match posted {
             Ok(()) => {
                 st.credits -= 1;
-                Ok(Some(handles::req_token(
-                    self.req_space,
-                    idx,
-                    st.reqs.gen(idx),
-                )))
+                Ok(Some(ReqId {
+                    slot: idx,
+                    gen: st.reqs.gen(idx),
+                }))
             }
             Err(e) => {
                 st.reqs.release(idx);
@@ -1066,33 +1059,26 @@ impl SendComm {
             }
         }
     }
+}
 
-    /// Holds this comm's state lock until `release` fires (see [`hold`]).
-    #[doc(hidden)]
-    pub fn hold(&self, held: &Sender<()>, release: &Receiver<()>) {
-        hold(&self.inner, held, release);
+impl Comm for SendComm {
+    fn dev(&self) -> &Arc<DeviceState> {
+        &self.dev
     }
-
-    /// Whether the comm's endpoint is still open (the provider may still
-    /// own buffers posted on it). For tests.
-    #[doc(hidden)]
-    pub fn endpoint_open(&self) -> bool {
-        !lock(&self.inner).ep.is_shut_down()
+    fn test(&self, id: ReqId) -> Result<Option<Done>> {
+        test_locked(&self.inner, id)
     }
-
-    /// The peer's address as text (for log lines and profiler events).
-    pub fn peer_name(&self) -> String {
+    fn keepalive(&self, now: Instant) {
+        keepalive_locked(&self.inner, self.dev.peer_timeout, now);
+    }
+    fn peer_name(&self) -> String {
         lock(&self.inner).link.name.clone()
     }
-
-    /// Tests request `slot` (of generation `gen`) of this comm.
-    pub fn test(&self, slot: u32, gen: u32) -> Result<Option<Done>> {
-        test_locked(&self.inner, slot, gen)
+    fn hold(&self, held: &Tx<()>, release: &Rx<()>) {
+        hold(&self.inner, held, release);
     }
-
-    /// One heartbeat tick (keeper thread).
-    pub fn keepalive(&self, now: Instant) {
-        keepalive_locked(&self.inner, self.dev.peer_timeout, now);
+    fn endpoint_open(&self) -> bool {
+        !lock(&self.inner).ep.is_shut_down()
     }
 }
 
@@ -1184,7 +1170,7 @@ impl SendState {
 /// Holds a comm's state lock until `release` fires (or its sender goes),
 /// signalling `held` once it is held: what a keeper stuck inside the
 /// provider does. For tests of the data path's independence.
-fn hold<S>(m: &Mutex<S>, held: &Sender<()>, release: &Receiver<()>) {
+fn hold<S>(m: &Mutex<S>, held: &Tx<()>, release: &Rx<()>) {
     let _st = lock(m);
     let _ = held.send(());
     let _ = release.recv();
@@ -1192,9 +1178,9 @@ fn hold<S>(m: &Mutex<S>, held: &Sender<()>, release: &Receiver<()>) {
 
 /// `test` through a comm's state lock: "not done" while another thread
 /// holds it.
-fn test_locked<S: Side>(m: &Mutex<S>, slot: u32, gen: u32) -> Result<Option<Done>> {
+fn test_locked<S: Side>(m: &Mutex<S>, id: ReqId) -> Result<Option<Done>> {
     match try_lock(m) {
-        Some(mut st) => test_side(&mut *st, slot, gen),
+        Some(mut st) => test_side(&mut *st, id),
         None => Ok(None),
     }
 }
@@ -1209,22 +1195,22 @@ fn keepalive_locked<S: Side>(m: &Mutex<S>, timeout: Duration, now: Instant) {
 /// `test` on a comm of either side. The CQ is read only while the request
 /// is unfinished (an injected send is done when posted; a receive may have
 /// been completed by an earlier read), and never once the peer is dead.
-fn test_side<S: Side>(st: &mut S, slot: u32, gen: u32) -> Result<Option<Done>> {
+fn test_side<S: Side>(st: &mut S, id: ReqId) -> Result<Option<Done>> {
     let (_, reqs, link) = st.parts();
-    let unfinished = test_request(reqs, slot, gen, S::KIND)?;
+    let unfinished = test_request(reqs, id, S::KIND)?;
     if unfinished && link.dead.is_none() {
         st.progress()?;
     }
     let (_, reqs, link) = st.parts();
-    finish(reqs, slot, link)
+    finish(reqs, id.slot, link)
 }
 
-/// Checks that `slot` is live in `reqs` and of generation `gen` (a request
-/// NCCL still holds, not an earlier one of the same slot); returns whether
-/// it is still unfinished.
-fn test_request(reqs: &mut Pool<Request>, slot: u32, gen: u32, what: &str) -> Result<bool> {
-    let current = handles::same_gen(reqs.gen(slot), gen);
-    reqs.get_mut(slot)
+/// Checks that request `id` is live in `reqs` and of the slot's current
+/// generation (a request NCCL still holds, not an earlier one of the same
+/// slot); returns whether it is still unfinished.
+fn test_request(reqs: &mut Pool<Request>, id: ReqId, what: &str) -> Result<bool> {
+    let current = reqs.is_current(id.slot, id.gen);
+    reqs.get_mut(id.slot)
         .filter(|_| current)
         .map(|r| r.remaining > 0)
         .ok_or_else(|| {
@@ -1265,8 +1251,6 @@ fn finish(reqs: &mut Pool<Request>, i: u32, link: &Link) -> Result<Option<Done>>
 /// A receiving comm.
 pub struct RecvComm {
     pub(crate) dev: Arc<DeviceState>,
-    /// The request space of this comm's request tokens.
-    pub(crate) req_space: u64,
     inner: Mutex<RecvState>,
 }
 
@@ -1294,7 +1278,6 @@ impl RecvComm {
         let reqs = Pool::new(MAX_REQUESTS).map_err(|e| Error::system(e.to_string()))?;
         Ok(Self {
             dev,
-            req_space: handles::serial(),
             inner: Mutex::new(RecvState {
                 ep,
                 ctrl,
@@ -1305,13 +1288,12 @@ impl RecvComm {
             }),
         })
     }
+}
 
-    /// Posts a grouped receive; `Ok(None)` when all requests are in use.
-    ///
-    /// # Safety
-    /// Every buffer must be writable for its size and stay valid until the
-    /// request is reported done (or the comm is closed).
-    pub unsafe fn irecv(&self, bufs: &[RecvBuf]) -> Result<Option<*mut c_void>> {
+impl Receiver for RecvComm {
+    /// `Ok(None)` when all requests are in use, or while another thread
+    /// holds the comm.
+    unsafe fn irecv(&self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
         if bufs.is_empty() || bufs.len() > MAX_RECVS {
             return Err(Error::internal(format!(
                 "irecv with n = {}: must be 1 ..= {MAX_RECVS} (maxRecvs)",
@@ -1361,39 +1343,31 @@ impl RecvComm {
             st.reqs.release(idx);
             return Err(e);
         }
-        Ok(Some(handles::req_token(
-            self.req_space,
-            idx,
-            st.reqs.gen(idx),
-        )))
+        Ok(Some(ReqId {
+            slot: idx,
+            gen: st.reqs.gen(idx),
+        }))
     }
+}
 
-    /// Holds this comm's state lock until `release` fires (see [`hold`]).
-    #[doc(hidden)]
-    pub fn hold(&self, held: &Sender<()>, release: &Receiver<()>) {
-        hold(&self.inner, held, release);
+impl Comm for RecvComm {
+    fn dev(&self) -> &Arc<DeviceState> {
+        &self.dev
     }
-
-    /// Whether the comm's endpoint is still open (the provider may still
-    /// own buffers posted on it). For tests.
-    #[doc(hidden)]
-    pub fn endpoint_open(&self) -> bool {
-        !lock(&self.inner).ep.is_shut_down()
+    fn test(&self, id: ReqId) -> Result<Option<Done>> {
+        test_locked(&self.inner, id)
     }
-
-    /// The peer's address as text (for log lines and profiler events).
-    pub fn peer_name(&self) -> String {
+    fn keepalive(&self, now: Instant) {
+        keepalive_locked(&self.inner, self.dev.peer_timeout, now);
+    }
+    fn peer_name(&self) -> String {
         lock(&self.inner).link.name.clone()
     }
-
-    /// Tests request `slot` (of generation `gen`) of this comm.
-    pub fn test(&self, slot: u32, gen: u32) -> Result<Option<Done>> {
-        test_locked(&self.inner, slot, gen)
+    fn hold(&self, held: &Tx<()>, release: &Rx<()>) {
+        hold(&self.inner, held, release);
     }
-
-    /// One heartbeat tick (keeper thread).
-    pub fn keepalive(&self, now: Instant) {
-        keepalive_locked(&self.inner, self.dev.peer_timeout, now);
+    fn endpoint_open(&self) -> bool {
+        !lock(&self.inner).ep.is_shut_down()
     }
 }
 

@@ -1,4 +1,5 @@
-//! The core's error type and the result classes adapters map to `ncclResult_t`.
+//! Weft's error type and the result classes adapters map to `ncclResult_t`,
+//! shared by the core and every protocol.
 
 use crate::config::ConfigError;
 use crate::device::DiscoveryError;

@@ -6,6 +6,11 @@ use std::ptr::NonNull;
 
 use crate::freelist::{Freelist, FreelistError, HostPages, NoRegistration, Params};
 
+/// Generation bits a request token carries: a slot's generation is compared
+/// modulo `2^GEN_BITS` (a stale handle aliases only after that many reuses
+/// of its slot).
+pub const GEN_BITS: u32 = 16;
+
 /// Slots are aligned to this, leaving the low bits of a slot address free to
 /// carry a sub-operation index in libfabric contexts.
 pub const SLOT_ALIGN: usize = 64;
@@ -96,6 +101,13 @@ impl<T: Copy> Pool<T> {
     /// Slot `i`'s generation (counts the times it was freed).
     pub fn gen(&self, i: u32) -> u32 {
         self.gens.get(i as usize).copied().unwrap_or(0)
+    }
+
+    /// Whether `gen` (as a handle carries it, [`GEN_BITS`] wide) is slot
+    /// `i`'s current generation.
+    pub fn is_current(&self, i: u32, gen: u32) -> bool {
+        let mask = (1u32 << GEN_BITS) - 1;
+        self.gen(i) & mask == gen & mask
     }
 
     /// A live slot's value.
