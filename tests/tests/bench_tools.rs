@@ -120,3 +120,45 @@ fn micro_costs_are_counted_under_callgrind() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `weft-resources` prints the resource curve (endpoints, fds, RSS per pair)
+/// for the counts asked, and stops at its memory budget with a line saying
+/// so. It asserts no figure: the curve is read, not tested.
+#[test]
+fn resource_curve_prints_its_table() {
+    let exe = env!("CARGO_BIN_EXE_weft-resources");
+    let o = Command::new(exe)
+        .args(["--providers", "shm", "--pairs", "1,3"])
+        .output()
+        .expect("run weft-resources");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "weft-resources failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    println!("{stdout}");
+    for what in ["endpoints", "MB per pair", "fds per pair"] {
+        assert!(stdout.contains(what), "the table lacks {what:?}:\n{stdout}");
+    }
+    let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("shm ")).collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    // 3 pairs, both ends in this process: 6 endpoints today (one per comm).
+    assert!(rows[1].split_whitespace().nth(2) == Some("6"), "{stdout}");
+    let o = Command::new(exe)
+        .args([
+            "--providers",
+            "shm",
+            "--pairs",
+            "1,1000",
+            "--max-rss-mb",
+            "1",
+        ])
+        .output()
+        .expect("run weft-resources");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && stdout.contains("stopped at"),
+        "{stdout}"
+    );
+}

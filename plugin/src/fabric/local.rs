@@ -75,6 +75,15 @@ impl LocalEp {
     }
 }
 
+/// Endpoints of this process open now.
+pub fn open_endpoints() -> usize {
+    table()
+        .live
+        .values()
+        .filter(|w| w.strong_count() > 0)
+        .count()
+}
+
 /// What a peer's name says about where it lives.
 #[derive(Debug, Clone)]
 pub enum Locality {
