@@ -10,27 +10,15 @@ pub struct ListenComm {
     pub(super) inner: Mutex<ListenState>,
 }
 
-/// A connection being accepted.
-pub(super) struct Pending {
-    pub(super) comm: Arc<RecvComm>,
-    /// The connecting side's nonce (a repeated `Conn` is ignored).
-    pub(super) conn: u64,
-    /// The Ack, until it is sent; then the connecting side's first word is awaited.
-    pub(super) ack: Option<Ctrl>,
-    pub(super) deadline: Instant,
-}
+/// A connection being accepted: its receive comm and, until sent, its Ack.
+pub(super) type Pending = handshake::Pending<Arc<RecvComm>, Ctrl>;
 
 pub(super) struct ListenState {
     // Field order is drop order: the endpoint closes before its buffers go.
     pub(super) ep: Endpoint,
     pub(super) ctrl: CtrlBufs,
-    /// Oldest first.
-    pub(super) pending: Vec<Pending>,
-    /// Recently accepted connection nonces, oldest first.
-    pub(super) accepted: VecDeque<u64>,
-    /// Why the last handshake failed, reported by `accept` once nothing
-    /// else is pending.
-    pub(super) failed: Option<String>,
+    /// The handshakes in progress and what is remembered of finished ones.
+    pub(super) book: Handshakes<Arc<RecvComm>, Ctrl>,
 }
 
 impl std::fmt::Debug for ListenComm {
@@ -55,9 +43,7 @@ impl ListenComm {
                 inner: Mutex::new(ListenState {
                     ep,
                     ctrl,
-                    pending: Vec::new(),
-                    accepted: VecDeque::new(),
-                    failed: None,
+                    book: Handshakes::default(),
                 }),
             },
             handle,
@@ -77,7 +63,7 @@ impl ListenComm {
         let dev = self.dev.index;
         match msg {
             Ok(Ctrl::Conn { listener, conn, addr }) if listener == self.nonce => {
-                if st.pending.iter().any(|p| p.conn == conn) || st.accepted.contains(&conn) {
+                if st.book.knows(conn) {
                     tracing::debug!("listener on device {dev}: ignored a repeated Conn");
                     return Ok(());
                 }
@@ -86,13 +72,6 @@ impl ListenComm {
                         "listener on device {dev}: dropped a connection request with an unusable address: {check}"
                     );
                     return Ok(());
-                }
-                if st.pending.len() >= MAX_PENDING {
-                    st.pending.remove(0);
-                    tracing::warn!(
-                        "listener on device {dev}: {MAX_PENDING} handshakes pending; dropped the oldest for a new one \
-                         (NCCL connects one peer per listener: is something sending forged connection requests?)"
-                    );
                 }
                 let comm = Arc::new(RecvComm::open(Arc::clone(&self.dev))?);
                 let name = {
@@ -105,12 +84,18 @@ impl ListenComm {
                     }
                     rs.ep.name()?
                 };
-                st.pending.push(Pending {
+                let evicted = st.book.admit(Pending {
                     comm,
                     conn,
                     ack: Some(Ctrl::Ack { conn, credits: CREDITS, addr: name }),
                     deadline: Instant::now() + self.dev.peer_timeout,
                 });
+                if evicted.is_some() {
+                    tracing::warn!(
+                        "listener on device {dev}: {MAX_PENDING} handshakes pending; dropped the oldest for a new one \
+                         (NCCL connects one peer per listener: is something sending forged connection requests?)"
+                    );
+                }
             }
             Ok(Ctrl::Conn { listener, .. }) => tracing::warn!(
                 "listener on device {dev}: ignored a connection meant for listener {listener:#x} (stale handle?)"
@@ -123,20 +108,17 @@ impl ListenComm {
         Ok(())
     }
 
-    /// One step of pending handshake `p`: `Ok(true)` once its peer
-    /// confirmed, `Err` (with the reason) when it failed or expired.
-    pub(super) fn step_pending(
-        &self,
-        p: &mut Pending,
-        now: Instant,
-    ) -> std::result::Result<bool, String> {
+    /// One step of pending handshake `p`: sends its Ack when due, lets its
+    /// endpoint progress, and says whether the peer confirmed, or why it
+    /// failed or expired.
+    pub(super) fn step_pending(&self, p: &mut Pending, now: Instant) -> Step {
         let rs = &mut *lock(&p.comm.inner);
         if let Some(ack) = &p.ack {
             match send_ctrl(&rs.ep, &rs.link.peer, ack) {
                 Ok(()) => p.ack = None,
                 Err(e) if e.is_again() => {}
                 Err(e) => {
-                    return Err(format!(
+                    return Step::Failed(format!(
                         "accept: cannot answer the connecting peer {}: {e}",
                         rs.link.name
                     ))
@@ -144,11 +126,15 @@ impl ListenComm {
             }
         }
         // Let the new endpoint make progress on its connection.
-        rs.progress()
-            .map_err(|e| format!("accept: handshake with {} failed: {e}", rs.link.name))?;
+        if let Err(e) = rs.progress() {
+            return Step::Failed(format!(
+                "accept: handshake with {} failed: {e}",
+                rs.link.name
+            ));
+        }
         let answered = p.ack.is_none();
         if answered && rs.link.heard {
-            return Ok(true);
+            return Step::Confirmed;
         }
         if now > p.deadline {
             let stage = if answered {
@@ -156,13 +142,13 @@ impl ListenComm {
             } else {
                 "could not be answered"
             };
-            return Err(format!(
+            return Step::Failed(format!(
                 "accept: the connecting peer {} {stage} within {:.1} s (WEFT_PEER_TIMEOUT): its process died or hangs",
                 rs.link.name,
                 self.dev.peer_timeout.as_secs_f64()
             ));
         }
-        Ok(false)
+        Step::Waiting
     }
 
     /// One accept step: a receive comm when a connection is complete. A
@@ -190,29 +176,9 @@ impl ListenComm {
             }
         })?;
         let now = Instant::now();
-        let mut i = 0;
-        while i < st.pending.len() {
-            match self.step_pending(&mut st.pending[i], now) {
-                Ok(true) => {
-                    let p = st.pending.remove(i);
-                    st.accepted.push_back(p.conn);
-                    if st.accepted.len() > ACCEPTED_MEMORY {
-                        st.accepted.pop_front();
-                    }
-                    return Ok(Some(p.comm));
-                }
-                Ok(false) => i += 1,
-                Err(why) => {
-                    tracing::warn!("{why}");
-                    st.pending.remove(i);
-                    st.failed = Some(why);
-                }
-            }
-        }
-        match st.failed.take() {
-            Some(why) if st.pending.is_empty() => Err(Error::remote(why)),
-            _ => Ok(None),
-        }
+        st.book
+            .step_all(|p| self.step_pending(p, now), |why| tracing::warn!("{why}"))
+            .map_err(Error::remote)
     }
 }
 

@@ -62,6 +62,7 @@ use crate::freelist::{Elem, Freelist, HostPages, Params};
 
 mod cq;
 mod ctrl;
+mod handshake;
 mod listen;
 mod liveness;
 mod recv;
@@ -70,9 +71,11 @@ mod send;
 
 use cq::*;
 use ctrl::*;
+use handshake::{Handshakes, Step};
 use liveness::*;
 use request::*;
 
+pub use handshake::MAX_PENDING;
 pub use listen::ListenComm;
 pub use recv::RecvComm;
 pub use send::SendComm;
@@ -91,16 +94,6 @@ const CTRL_POSTED: usize = 4;
 const CQ_BATCH: usize = 16;
 /// `ReqErr::fi_err` of requests failed because their peer died.
 const PEER_DEAD: u32 = 0;
-/// Handshakes a listener keeps pending at once. NCCL connects one peer to
-/// each listener; more are tolerated, and beyond this a new `Conn` evicts the
-/// oldest pending handshake (with a warning), so forged ones cannot grow a
-/// listener. A real peer confirms within a round trip of its Ack, and its
-/// connect repeats `Conn` every heartbeat period until answered, so a flood
-/// delays it rather than locking it out.
-pub const MAX_PENDING: usize = 4;
-/// Connection nonces a listener remembers as accepted (a late repeat of their
-/// `Conn` is ignored).
-const ACCEPTED_MEMORY: usize = 16;
 /// How often a comm's lock is tried before the keeper skips it for a tick.
 const KEEPER_TRIES: u32 = 64;
 

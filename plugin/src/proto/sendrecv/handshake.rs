@@ -1,0 +1,212 @@
+//! The listener's book of handshakes, apart from any I/O (quinn's style):
+//! which `Conn`s it takes, ignores or evicts, what it remembers of accepted
+//! ones, and when `accept` reports a failure. [`super::listen`] drives it
+//! with real comms; the tests below drive it with plain values.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+/// Handshakes a listener keeps pending at once. NCCL connects one peer to
+/// each listener; more are tolerated, and beyond this a new `Conn` evicts the
+/// oldest pending handshake (with a warning), so forged ones cannot grow a
+/// listener. A real peer confirms within a round trip of its Ack, and its
+/// connect repeats `Conn` every heartbeat period until answered, so a flood
+/// delays it rather than locking it out.
+pub const MAX_PENDING: usize = 4;
+/// Connection nonces a listener remembers as accepted (a late repeat of their
+/// `Conn` is ignored).
+pub(super) const ACCEPTED_MEMORY: usize = 16;
+
+/// One handshake in progress: the comm being set up for it (`T`), the
+/// connecting side's nonce, its Ack until sent (`A`), and its deadline.
+#[derive(Debug)]
+pub(super) struct Pending<T, A> {
+    pub(super) comm: T,
+    pub(super) conn: u64,
+    pub(super) ack: Option<A>,
+    pub(super) deadline: Instant,
+}
+
+/// What became of a pending handshake after one step.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Step {
+    /// Still waiting.
+    Waiting,
+    /// The peer confirmed: hand the comm to NCCL.
+    Confirmed,
+    /// It failed or expired, and why.
+    Failed(String),
+}
+
+/// The book.
+#[derive(Debug)]
+pub(super) struct Handshakes<T, A> {
+    /// Oldest first.
+    pending: Vec<Pending<T, A>>,
+    /// Recently accepted connection nonces, oldest first.
+    accepted: VecDeque<u64>,
+    /// Why the last handshake failed, reported once nothing else is pending.
+    failed: Option<String>,
+}
+
+impl<T, A> Default for Handshakes<T, A> {
+    fn default() -> Self {
+        Self {
+            pending: Vec::new(),
+            accepted: VecDeque::new(),
+            failed: None,
+        }
+    }
+}
+
+impl<T, A> Handshakes<T, A> {
+    /// Whether a `Conn` with this nonce is already pending or was accepted
+    /// (a repeat, to be ignored).
+    pub(super) fn knows(&self, conn: u64) -> bool {
+        self.pending.iter().any(|p| p.conn == conn) || self.accepted.contains(&conn)
+    }
+
+    /// Whether taking one more would evict the oldest.
+    pub(super) fn full(&self) -> bool {
+        self.pending.len() >= MAX_PENDING
+    }
+
+    /// Takes a new handshake; returns the oldest one if it had to make room.
+    pub(super) fn admit(&mut self, p: Pending<T, A>) -> Option<Pending<T, A>> {
+        let evicted = self.full().then(|| self.pending.remove(0));
+        self.pending.push(p);
+        evicted
+    }
+
+    /// Steps every pending handshake with `step`, oldest first, until one is
+    /// confirmed; returns its comm. Failed ones are dropped (and reported
+    /// through `on_fail`) while the others go on. `Err` only when one failed
+    /// and nothing else is pending: NCCL connects one peer per listener, so
+    /// that peer died.
+    pub(super) fn step_all(
+        &mut self,
+        mut step: impl FnMut(&mut Pending<T, A>) -> Step,
+        mut on_fail: impl FnMut(&str),
+    ) -> std::result::Result<Option<T>, String> {
+        let mut i = 0;
+        while i < self.pending.len() {
+            match step(&mut self.pending[i]) {
+                Step::Waiting => i += 1,
+                Step::Confirmed => {
+                    let p = self.pending.remove(i);
+                    self.accepted.push_back(p.conn);
+                    if self.accepted.len() > ACCEPTED_MEMORY {
+                        self.accepted.pop_front();
+                    }
+                    return Ok(Some(p.comm));
+                }
+                Step::Failed(why) => {
+                    on_fail(&why);
+                    self.pending.remove(i);
+                    self.failed = Some(why);
+                }
+            }
+        }
+        match self.failed.take() {
+            Some(why) if self.pending.is_empty() => Err(why),
+            _ => Ok(None),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(conn: u64) -> Pending<u64, ()> {
+        Pending {
+            comm: conn,
+            conn,
+            ack: Some(()),
+            deadline: Instant::now(),
+        }
+    }
+
+    #[test]
+    fn a_flood_evicts_the_oldest_and_stays_bounded() {
+        let mut b = Handshakes::default();
+        let mut evicted = Vec::new();
+        for c in 0..40 {
+            if let Some(e) = b.admit(p(c)) {
+                evicted.push(e.conn);
+            }
+        }
+        assert_eq!(evicted, (0..36).collect::<Vec<_>>(), "oldest first");
+        assert_eq!(b.pending.len(), MAX_PENDING);
+        assert!(b.knows(39) && !b.knows(0));
+    }
+
+    #[test]
+    fn the_confirmed_one_is_returned_and_its_repeats_ignored() {
+        let mut b = Handshakes::default();
+        for c in [7, 8, 9] {
+            b.admit(p(c));
+        }
+        let got = b.step_all(
+            |p| {
+                if p.conn == 8 {
+                    Step::Confirmed
+                } else {
+                    Step::Waiting
+                }
+            },
+            |_| {},
+        );
+        assert_eq!(got, Ok(Some(8)));
+        assert!(b.knows(8), "a late repeat of an accepted Conn is ignored");
+        assert_eq!(b.pending.len(), 2);
+        for c in 100..100 + ACCEPTED_MEMORY as u64 {
+            b.admit(p(c));
+            let only_c = |p: &mut Pending<u64, ()>| {
+                if p.conn == c {
+                    Step::Confirmed
+                } else {
+                    Step::Waiting
+                }
+            };
+            assert_eq!(b.step_all(only_c, |_| {}), Ok(Some(c)));
+        }
+        assert!(!b.knows(8), "accepted nonces are remembered only so long");
+    }
+
+    /// A failed handshake is skipped while another is pending (a forged one
+    /// beside the real one), and reported once nothing else is pending.
+    #[test]
+    fn a_failure_is_reported_only_when_nothing_else_is_pending() {
+        let mut b = Handshakes::default();
+        b.admit(p(1)); // forged: fails
+        b.admit(p(2)); // real: confirms on the second step
+        let mut warned = Vec::new();
+        let mut round = 0;
+        let mut step = |p: &mut Pending<u64, ()>| match (p.conn, round) {
+            (1, _) => Step::Failed("forged".to_owned()),
+            (2, 0) => Step::Waiting,
+            _ => Step::Confirmed,
+        };
+        assert_eq!(
+            b.step_all(&mut step, |w| warned.push(w.to_owned())),
+            Ok(None)
+        );
+        assert_eq!(warned, ["forged"]);
+        round = 1;
+        let mut step = |p: &mut Pending<u64, ()>| match (p.conn, round) {
+            (2, 1) => Step::Confirmed,
+            _ => Step::Waiting,
+        };
+        assert_eq!(b.step_all(&mut step, |_| {}), Ok(Some(2)));
+        // The only handshake fails: an error.
+        b.admit(p(3));
+        let r = b.step_all(|_| Step::Failed("peer died".to_owned()), |_| {});
+        assert_eq!(r, Err("peer died".to_owned()));
+        assert_eq!(
+            b.step_all(|_| Step::Waiting, |_| {}),
+            Ok(None),
+            "reported once"
+        );
+    }
+}
