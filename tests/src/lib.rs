@@ -39,6 +39,12 @@ pub const TEST_PARAMS: &[Param] = &[
         accepted: "`1`",
         meaning: "without PyPI access: the codegen check against NCCL's wheels says it did not run instead of failing",
     },
+    Param {
+        name: "WEFT_TEST_ISOLATED",
+        default: "unset; set by the tests themselves",
+        accepted: "`1`",
+        meaning: "marks a test rerun in a process of its own under plain `cargo test` (`weft_tests::isolated!`); nextest needs none",
+    },
 ];
 
 /// The poll-loop timeout (`WEFT_TEST_TIMEOUT`, default 300 s).
@@ -195,7 +201,7 @@ pub mod capture {
 }
 
 /// Set in a test's own process by [`rerun_isolated`].
-const ISOLATED: &str = "WEFT_TEST_ISOLATED";
+const ISOLATED: &str = "WEFT_TEST_ISOLATED"; // documented in TEST_PARAMS
 
 /// Runs the calling test in a process of its own when the harness does not.
 ///
