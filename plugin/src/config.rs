@@ -36,8 +36,8 @@ pub const PARAMS: &[Param] = &[
     Param {
         name: "WEFT_IFACE",
         default: "unset (every device)",
-        accepted: "device (libfabric domain) names, comma-separated, e.g. `lo` or `eth0,eth1`",
-        meaning: "keep only these devices; for tcp and verbs a device is named after its interface or NIC. Ignored by shm, whose one domain is the host",
+        accepted: "NCCL_SOCKET_IFNAME's forms: name prefixes, comma-separated (`eth` keeps eth0, eth1); `=` first for exact names (`=eth0`); `^` first to exclude (`^docker,lo`), `^=` to exclude exact names",
+        meaning: "which devices (libfabric domains) to keep; for tcp and verbs a device is named after its interface or NIC. Ignored by shm, whose one domain is the host",
     },
     Param {
         name: "WEFT_PROTOCOL",
@@ -95,8 +95,8 @@ impl std::fmt::Display for Source {
 pub struct Config {
     /// Providers to try, in order.
     pub providers: Vec<String>,
-    /// Device names to keep; empty = all.
-    pub ifaces: Vec<String>,
+    /// Which device names to keep (`WEFT_IFACE`).
+    pub ifaces: IfaceFilter,
     /// Data-path protocol.
     pub protocol: Protocol,
     /// Eager threshold in bytes.
@@ -194,6 +194,66 @@ pub fn canonical_provider(p: &str) -> String {
         "tcp" => "tcp;ofi_rxm".to_owned(),
         "verbs" => "verbs;ofi_rxm".to_owned(),
         other => other.to_owned(),
+    }
+}
+
+/// `WEFT_IFACE`, in the forms NCCL users know from `NCCL_SOCKET_IFNAME`: a
+/// comma-separated list of name prefixes; `=` first makes them exact names;
+/// `^` first (before any `=`) excludes them instead. Empty keeps everything.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct IfaceFilter {
+    exclude: bool,
+    exact: bool,
+    names: Vec<String>,
+}
+
+impl IfaceFilter {
+    /// Parses `WEFT_IFACE`'s value.
+    pub fn parse(value: &str) -> Result<Self, ConfigError> {
+        let v = value.trim();
+        let (exclude, v) = v.strip_prefix('^').map_or((false, v), |r| (true, r));
+        let (exact, v) = v.strip_prefix('=').map_or((false, v), |r| (true, r));
+        let names = list("WEFT_IFACE", v).map_err(|e| ConfigError {
+            value: value.to_owned(),
+            ..e
+        })?;
+        Ok(Self {
+            exclude,
+            exact,
+            names,
+        })
+    }
+
+    /// Keeps everything.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
+    /// Whether device `name` is kept.
+    pub fn keeps(&self, name: &str) -> bool {
+        if self.names.is_empty() {
+            return true;
+        }
+        let listed = self.names.iter().any(|n| {
+            if self.exact {
+                name == n
+            } else {
+                name.starts_with(n.as_str())
+            }
+        });
+        listed != self.exclude
+    }
+}
+
+impl std::fmt::Display for IfaceFilter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.exclude {
+            f.write_str("^")?;
+        }
+        if self.exact {
+            f.write_str("=")?;
+        }
+        f.write_str(&self.names.join(","))
     }
 }
 
@@ -296,7 +356,7 @@ impl Config {
             set("WEFT_PROVIDER", Source::Env("FI_PROVIDER"));
         }
         if let Some(v) = get("WEFT_IFACE") {
-            c.ifaces = list("WEFT_IFACE", &v)?;
+            c.ifaces = IfaceFilter::parse(&v)?;
             set("WEFT_IFACE", Source::Env("WEFT_IFACE"));
         }
         if let Some(v) = get("WEFT_PROTOCOL") {
@@ -336,7 +396,7 @@ impl Config {
             if self.ifaces.is_empty() {
                 "(all)".to_owned()
             } else {
-                self.ifaces.join(", ")
+                self.ifaces.to_string()
             },
             match self.protocol {
                 Protocol::SendRecv => "sendrecv".to_owned(),
@@ -366,7 +426,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             providers: DEFAULT_PROVIDERS.iter().map(|s| (*s).to_owned()).collect(),
-            ifaces: Vec::new(),
+            ifaces: IfaceFilter::default(),
             protocol: Protocol::SendRecv,
             eager_size: 8192,
             link_speed_mbps: None,
@@ -433,7 +493,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.providers, ["tcp;ofi_rxm", "shm"]);
-        assert_eq!(c.ifaces, ["lo"]);
+        assert!(c.ifaces.keeps("lo") && !c.ifaces.keeps("eth0"));
         assert_eq!(c.eager_size, 0);
         assert_eq!(c.link_speed_mbps, Some(100_000));
         assert_eq!(c.peer_timeout, Duration::from_millis(2500));
@@ -508,6 +568,28 @@ mod tests {
             );
         }
         assert!(with(&[("FI_PROVIDER", "^efa,verbs,tcp")]).is_err());
+    }
+
+    /// NCCL_SOCKET_IFNAME's forms.
+    #[test]
+    fn iface_filter_speaks_nccl_socket_ifname() {
+        let keeps = |v: &str, name: &str| IfaceFilter::parse(v).unwrap().keeps(name);
+        assert!(keeps("eth", "eth0") && keeps("eth", "eth10") && !keeps("eth", "lo"));
+        assert!(keeps("=eth0", "eth0") && !keeps("=eth0", "eth01"));
+        assert!(!keeps("^docker", "docker0") && keeps("^docker", "eth0"));
+        assert!(!keeps("^=lo", "lo") && keeps("^=lo", "lo1"));
+        assert!(keeps("ib,eth", "ib0") && keeps("ib,eth", "eth3") && !keeps("ib,eth", "lo"));
+        assert!(!keeps("^docker,lo", "lo") && !keeps("^docker,lo", "docker1"));
+        assert!(keeps(" =lo ", "lo"));
+        assert!(IfaceFilter::default().keeps("anything"));
+        assert_eq!(
+            IfaceFilter::parse("^=eth0,eth1").unwrap().to_string(),
+            "^=eth0,eth1"
+        );
+        for bad in ["^", "=", "^=", "eth,,lo"] {
+            let e = IfaceFilter::parse(bad).unwrap_err();
+            assert_eq!((e.name, e.value.as_str()), ("WEFT_IFACE", bad));
+        }
     }
 
     #[test]

@@ -93,10 +93,7 @@ pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), Dis
                 continue;
             }
             let domain = info.domain_name();
-            if filters_by_iface(provider)
-                && !config.ifaces.is_empty()
-                && !config.ifaces.iter().any(|i| i == domain)
-            {
+            if filters_by_iface(provider) && !config.ifaces.keeps(domain) {
                 if !filtered.iter().any(|d| d == domain) {
                     filtered.push(domain.to_owned());
                 }
@@ -122,9 +119,9 @@ pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), Dis
             Outcome::Used(devices.iter().map(|d| d.domain.clone()).collect())
         } else if !filtered.is_empty() {
             Outcome::Skipped(format!(
-                "its domains ({}) are not in WEFT_IFACE={}",
+                "its domains ({}) are not kept by WEFT_IFACE={}",
                 filtered.join(", "),
-                config.ifaces.join(",")
+                config.ifaces
             ))
         } else {
             Outcome::Skipped(
@@ -164,7 +161,7 @@ pub fn discover(config: &Config) -> Result<Vec<Device>, DiscoveryError> {
         ifaces: if config.ifaces.is_empty() {
             String::new()
         } else {
-            format!(" with WEFT_IFACE={}", config.ifaces.join(","))
+            format!(" with WEFT_IFACE={}", config.ifaces)
         },
     })
 }

@@ -145,3 +145,42 @@ fn conflicting_providers_fail_naming_both() {
         "{err}"
     );
 }
+
+/// WEFT_IFACE in NCCL_SOCKET_IFNAME's forms picks the devices.
+#[test]
+fn iface_filter_in_nccl_forms() {
+    let names = |iface: &str| -> Vec<String> {
+        let r = json(&[
+            ("WEFT_PROVIDER", "tcp"),
+            ("WEFT_IFACE", iface),
+            ("FI_TCP_IFACE", "lo"),
+        ]);
+        r["devices"]
+            .as_array()
+            .expect("devices")
+            .iter()
+            .map(|d| d["name"].as_str().unwrap_or("").to_owned())
+            .collect()
+    };
+    assert_eq!(names("=lo"), ["lo"]);
+    assert_eq!(names("l"), ["lo"], "a prefix");
+    // Excluding lo: whatever else the host has (no traffic is sent), or,
+    // on a host with lo alone, no device and an error naming the filter.
+    let out = info(&[("WEFT_PROVIDER", "tcp"), ("WEFT_IFACE", "^lo")], true);
+    if out.status.success() {
+        let r: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        let devs = r["devices"].as_array().expect("devices");
+        assert!(devs.iter().all(|d| d["name"] != "lo"), "{devs:?}");
+    } else {
+        assert!(String::from_utf8_lossy(&out.stderr).contains("WEFT_IFACE=^lo"));
+    }
+    let out = info(
+        &[("WEFT_PROVIDER", "tcp"), ("WEFT_IFACE", "=no-such-if")],
+        false,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("WEFT_IFACE==no-such-if"),
+        "{err}"
+    );
+}

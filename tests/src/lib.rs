@@ -109,7 +109,7 @@ pub fn loopback_domain(provider: &str) -> Result<std::sync::Arc<weft::fabric::Do
 pub fn loopback(provider: &str) -> Config {
     Config {
         providers: vec![weft::config::canonical_provider(provider)],
-        ifaces: vec!["lo".to_owned()],
+        ifaces: weft::config::IfaceFilter::parse("=lo").expect("a valid filter"),
         ..Config::default()
     }
 }

@@ -195,7 +195,7 @@ fn report(lib: &Lib) -> Result<Value, String> {
             if config.ifaces.is_empty() {
                 String::new()
             } else {
-                format!(" with WEFT_IFACE={}", config.ifaces.join(","))
+                format!(" with WEFT_IFACE={}", config.ifaces)
             }
         ));
     }
