@@ -41,9 +41,9 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "WEFT_PROTOCOL",
-        default: "sendrecv",
-        accepted: "`sendrecv` (tagged messages)",
-        meaning: "data-path protocol; the RDMA-write protocol is not in this build and is refused",
+        default: "auto",
+        accepted: "`auto`, `sendrecv` (tagged messages); `rdma` is refused: the RDMA-write protocol is not in this build",
+        meaning: "data-path protocol. `auto` picks the best the provider and this build allow (today always sendrecv) and says at INFO which and why, including whether the provider would qualify for rdma (FI_RMA with remote CQ data of at least 4 bytes)",
     },
     Param {
         name: "WEFT_EAGER_SIZE",
@@ -68,6 +68,8 @@ pub const PARAMS: &[Param] = &[
 /// Data-path protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Protocol {
+    /// The best the provider and this build allow.
+    Auto,
     /// Tagged messages (`fi_tsend`/`fi_trecv`).
     SendRecv,
 }
@@ -362,6 +364,7 @@ impl Config {
         if let Some(v) = get("WEFT_PROTOCOL") {
             set("WEFT_PROTOCOL", Source::Env("WEFT_PROTOCOL"));
             c.protocol = match v.trim() {
+                "auto" => Protocol::Auto,
                 "sendrecv" => Protocol::SendRecv,
                 "rdma" => {
                     return Err(err(
@@ -399,6 +402,7 @@ impl Config {
                 self.ifaces.to_string()
             },
             match self.protocol {
+                Protocol::Auto => "auto".to_owned(),
                 Protocol::SendRecv => "sendrecv".to_owned(),
             },
             format!("{} bytes", self.eager_size),
@@ -427,7 +431,7 @@ impl Default for Config {
         Self {
             providers: DEFAULT_PROVIDERS.iter().map(|s| (*s).to_owned()).collect(),
             ifaces: IfaceFilter::default(),
-            protocol: Protocol::SendRecv,
+            protocol: Protocol::Auto,
             eager_size: 8192,
             link_speed_mbps: None,
             peer_timeout: Duration::from_secs(30),
@@ -600,6 +604,10 @@ mod tests {
         assert!(with(&[("WEFT_PEER_TIMEOUT", "nan")]).is_err());
         assert!(with(&[("WEFT_LINK_SPEED_MBPS", "0")]).is_err());
         assert!(with(&[("WEFT_PROTOCOL", "sendrecv")]).is_ok());
+        assert_eq!(
+            with(&[("WEFT_PROTOCOL", "auto")]).unwrap().protocol,
+            Protocol::Auto
+        );
         assert!(with(&[("WEFT_PROTOCOL", "udp")]).is_err());
     }
 

@@ -25,8 +25,51 @@ pub struct Device {
     pub inject_size: usize,
     /// Endpoints the domain supports (each comm uses one).
     pub max_endpoints: usize,
+    /// What the provider offers this domain for an RDMA-write protocol.
+    pub rma: Rma,
     /// The `fi_info` to open it with.
     pub info: OwnedInfo,
+}
+
+/// What a domain offers an RDMA-write protocol (asked of libfabric with
+/// `FI_RMA` added to the hints).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Rma {
+    /// The provider offers `FI_RMA` on this domain.
+    pub offered: bool,
+    /// Bytes of remote CQ data a write carries (0 if none).
+    pub cq_data_size: usize,
+}
+
+impl Rma {
+    /// Whether an RDMA-write protocol could run here: `FI_RMA` with at
+    /// least 4 bytes of remote CQ data (what EFA and verbs give).
+    pub fn qualifies(&self) -> bool {
+        self.offered && self.cq_data_size >= 4
+    }
+}
+
+/// Asks libfabric what `provider` offers each domain with `FI_RMA`.
+fn rma_of(provider: &str) -> Vec<(String, Rma)> {
+    let mut h = Hints::rdm_tagged(Some(provider));
+    h.caps |= u64::from(libfabric_sys::FI_RMA)
+        | u64::from(libfabric_sys::FI_WRITE)
+        | u64::from(libfabric_sys::FI_REMOTE_WRITE);
+    let Ok(list) = InfoList::get(&h) else {
+        return Vec::new();
+    };
+    list.iter()
+        .filter(|i| i.provider() == provider)
+        .map(|i| {
+            (
+                i.domain_name().to_owned(),
+                Rma {
+                    offered: true,
+                    cq_data_size: i.cq_data_size(),
+                },
+            )
+        })
+        .collect()
 }
 
 /// Why no device could be found.
@@ -84,6 +127,7 @@ pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), Dis
             continue;
         }
         let list = InfoList::get(&Hints::rdm_tagged(Some(provider)))?;
+        let rma = rma_of(provider);
         let mut devices: Vec<Device> = Vec::new();
         let mut filtered = Vec::new();
         for info in list.iter() {
@@ -112,6 +156,11 @@ pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), Dis
                 max_msg_size: info.max_msg_size(),
                 inject_size: info.inject_size(),
                 max_endpoints: info.max_endpoints(),
+                rma: rma
+                    .iter()
+                    .find(|(d, _)| d == domain)
+                    .map(|(_, r)| *r)
+                    .unwrap_or_default(),
                 info: info.to_owned()?,
             });
         }

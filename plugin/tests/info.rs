@@ -88,6 +88,12 @@ fn json_report_is_what_the_tables_say() {
         .expect("WEFT_PROVIDER");
     assert_eq!(provider["value"], "tcp;ofi_rxm");
     assert_eq!(provider["source"], "environment (WEFT_PROVIDER)");
+    // What auto chose, and what the provider offers an RDMA protocol.
+    let proto = r["protocol"].as_str().expect("protocol");
+    assert!(
+        proto.starts_with("sendrecv (auto:") && proto.contains("FI_RMA"),
+        "{proto}"
+    );
 }
 
 /// libfabric's convention: FI_PROVIDER alone picks the provider; an empty

@@ -188,6 +188,7 @@ fn tables(lib: &Lib) -> Vec<Value> {
 fn report(lib: &Lib) -> Result<Value, String> {
     let config = Config::from_env().map_err(|e| e.to_string())?;
     let (providers, found) = device::survey(&config).map_err(|e| e.to_string())?;
+    let (protocol, why) = nccl_net_weft::proto::choose(config.protocol, &found);
     if found.is_empty() {
         return Err(format!(
             "no libfabric device: tried providers [{}]{}; see `fi_info -l` for what this host offers",
@@ -230,7 +231,7 @@ fn report(lib: &Lib) -> Result<Value, String> {
         "libfabric_built_against": format!("{}.{}", libfabric_sys::WEFT_FI_VERSION >> 16, libfabric_sys::WEFT_FI_VERSION & 0xffff),
         "configuration": config,
         "providers": providers,
-        "protocol": "sendrecv (the only protocol in this build)",
+        "protocol": format!("{} ({why})", protocol.name()),
         "devices": devices_through_table(lib)?,
         "tables": tables(lib),
     }))

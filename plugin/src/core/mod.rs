@@ -165,8 +165,8 @@ fn start(config: Option<Config>) -> Result<Running> {
         None => config::load()?,
     };
     let found = device::discover(&config)?;
-    let protocol = proto::protocol();
-    tracing::info!(target: "weft::init", "protocol: {} (the only one in this build)", protocol.name());
+    let (protocol, why) = proto::choose(config.protocol, &found);
+    tracing::info!(target: "weft::init", "protocol: {} ({why})", protocol.name());
     let mut devices = Vec::with_capacity(found.len());
     let mut all_props = Vec::with_capacity(found.len());
     for (index, dev) in found.into_iter().enumerate() {

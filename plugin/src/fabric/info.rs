@@ -233,6 +233,10 @@ impl<'a> InfoRef<'a> {
     pub fn src_addrlen(&self) -> usize {
         self.0.src_addrlen
     }
+    /// Bytes of remote CQ data (immediate data) a write can carry.
+    pub fn cq_data_size(&self) -> usize {
+        self.domain_attr().map_or(0, |a| a.cq_data_size)
+    }
     /// An owned copy of this entry alone.
     pub fn to_owned(&self) -> Result<OwnedInfo, FiError> {
         // SAFETY: fi_dupinfo deep-copies one entry (the copy's `next` is NULL).

@@ -166,7 +166,32 @@ pub trait Receiver: Comm {
     unsafe fn irecv(&self, bufs: &[RecvBuf]) -> Result<Option<ReqId>>;
 }
 
-/// The protocol this build runs.
-pub fn protocol() -> Arc<dyn Protocol> {
-    Arc::new(sendrecv::SendRecv)
+/// The protocol `WEFT_PROTOCOL` chose for `devices`, and why, in words for
+/// the INFO line and `weft info`.
+pub fn choose(setting: crate::config::Protocol, devices: &[Device]) -> (Arc<dyn Protocol>, String) {
+    use crate::config::Protocol as P;
+    let proto: Arc<dyn Protocol> = Arc::new(sendrecv::SendRecv);
+    let why = match setting {
+        P::SendRecv => "WEFT_PROTOCOL=sendrecv".to_owned(),
+        P::Auto => {
+            let fit: Vec<&str> = devices
+                .iter()
+                .filter(|d| d.rma.qualifies())
+                .map(|d| d.domain.as_str())
+                .collect();
+            let provider = devices.first().map_or("", |d| d.provider.as_str());
+            let rma = if fit.len() == devices.len() && !fit.is_empty() {
+                format!(
+                    "{provider} offers FI_RMA with {} bytes of remote CQ data on every device, so rdma would qualify",
+                    devices[0].rma.cq_data_size
+                )
+            } else if devices.iter().any(|d| d.rma.offered) {
+                format!("{provider} offers FI_RMA, but not with 4 bytes of remote CQ data on every device")
+            } else {
+                format!("{provider} does not offer FI_RMA here")
+            };
+            format!("auto: the RDMA-write protocol is not in this build; {rma}")
+        }
+    };
+    (proto, why)
 }
