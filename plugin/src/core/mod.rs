@@ -73,22 +73,26 @@ struct Listener {
     profiler: Option<Profiler>,
 }
 
-/// A connected send comm, the request space of its request tokens, and its
-/// requests' profiler events.
+/// A connected comm handed to NCCL: the protocol's comm, the request space
+/// of its request tokens, and its requests' profiler events.
 #[derive(Debug)]
-struct Sender {
-    comm: Arc<dyn proto::Sender>,
+struct Connected<C: ?Sized> {
+    comm: Arc<C>,
     req_space: u64,
     events: Events,
 }
 
-/// A connected receive comm, the request space of its request tokens, and
-/// its requests' profiler events.
-#[derive(Debug)]
-struct Receiver {
-    comm: Arc<dyn proto::Receiver>,
-    req_space: u64,
-    events: Events,
+type Sender = Connected<dyn proto::Sender>;
+type Receiver = Connected<dyn proto::Receiver>;
+
+impl<C: proto::Comm + ?Sized> Connected<C> {
+    fn new(comm: Arc<C>, profiler: Option<Profiler>) -> Self {
+        Self {
+            events: Events::new(profiler, comm.dev().index, &comm.peer_name()),
+            req_space: handles::serial(),
+            comm,
+        }
+    }
 }
 
 /// The owner of a request (for `test`).
@@ -382,11 +386,7 @@ pub fn connect(
         Ok(true) => {
             wire::write_stage(handle, None);
             REG.connecting.remove(p);
-            let s = Arc::new(Sender {
-                events: Events::new(c.profiler, comm.dev().index, &comm.peer_name()),
-                req_space: handles::serial(),
-                comm,
-            });
+            let s = Arc::new(Sender::new(comm, c.profiler));
             REG.req
                 .insert_at(s.req_space, Arc::new(ReqOwner::Send(Arc::clone(&s))));
             Ok(Some(REG.send.insert(s)))
@@ -406,11 +406,7 @@ pub fn accept(listen: *mut c_void) -> Result<Option<*mut c_void>> {
         Error::internal(format!("accept: {listen:p} is not a live Weft listen comm"))
     })?;
     Ok(l.comm.accept()?.map(|comm| {
-        let r = Arc::new(Receiver {
-            events: Events::new(l.profiler, comm.dev().index, &comm.peer_name()),
-            req_space: handles::serial(),
-            comm,
-        });
+        let r = Arc::new(Receiver::new(comm, l.profiler));
         REG.req
             .insert_at(r.req_space, Arc::new(ReqOwner::Recv(Arc::clone(&r))));
         REG.recv.insert(r)
