@@ -1,10 +1,12 @@
-//! The listener's book of handshakes, apart from any I/O (quinn's style):
-//! which `Conn`s it takes, ignores or evicts, what it remembers of accepted
-//! ones, and when `accept` reports a failure. [`super::listen`] drives it
-//! with real comms; the tests below drive it with plain values.
+//! Both halves of the handshake's state, apart from any I/O (quinn's
+//! style). The listener's book: which `Conn`s it takes, ignores or evicts,
+//! what it remembers of accepted ones, and when `accept` reports a failure.
+//! The connecting side: when its `Conn` is due (again), which `Ack` it takes,
+//! and when it gives up. [`super::listen`] and [`super::send`] drive them
+//! with real comms and messages; the tests below with plain values.
 
 use std::collections::VecDeque;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Handshakes a listener keeps pending at once. NCCL connects one peer to
 /// each listener; more are tolerated, and beyond this a new `Conn` evicts the
@@ -114,9 +116,118 @@ impl<T, A> Handshakes<T, A> {
     }
 }
 
+/// Where a connecting side is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Phase {
+    /// `Conn` not sent yet.
+    SendConn,
+    /// `Conn` sent; waiting for the listener's `Ack`.
+    AwaitAck,
+    /// Connected: data may flow.
+    Ready,
+}
+
+/// The connecting side's handshake.
+#[derive(Debug)]
+pub(super) struct Connecting {
+    phase: Phase,
+    /// Our nonce; the `Ack` must echo it.
+    conn: u64,
+    /// When `Conn` was last sent.
+    conn_sent: Option<Instant>,
+    /// `Conn` is repeated this often until the `Ack` comes.
+    resend: Duration,
+    deadline: Instant,
+}
+
+impl Connecting {
+    /// A handshake with nonce `conn`, started at `now`, repeating `Conn`
+    /// every `resend` and giving up after `timeout`.
+    pub(super) fn new(conn: u64, now: Instant, resend: Duration, timeout: Duration) -> Self {
+        Self {
+            phase: Phase::SendConn,
+            conn,
+            conn_sent: None,
+            resend,
+            deadline: now + timeout,
+        }
+    }
+    /// Our nonce.
+    pub(super) fn conn(&self) -> u64 {
+        self.conn
+    }
+    /// The phase.
+    pub(super) fn phase(&self) -> Phase {
+        self.phase
+    }
+    /// Whether `Conn` should be sent now (first time, or again).
+    pub(super) fn conn_due(&self, now: Instant) -> bool {
+        match self.phase {
+            Phase::SendConn => true,
+            Phase::AwaitAck => self
+                .conn_sent
+                .is_some_and(|t| now.saturating_duration_since(t) >= self.resend),
+            Phase::Ready => false,
+        }
+    }
+    /// `Conn` went out at `now`.
+    pub(super) fn conn_sent(&mut self, now: Instant) {
+        if self.phase != Phase::Ready {
+            self.phase = Phase::AwaitAck;
+            self.conn_sent = Some(now);
+        }
+    }
+    /// Whether an `Ack` echoing `conn` is the one awaited (else it is
+    /// ignored: a stray, a repeat, or forged).
+    pub(super) fn takes_ack(&self, conn: u64) -> bool {
+        self.phase == Phase::AwaitAck && conn == self.conn
+    }
+    /// The awaited `Ack` was taken: connected.
+    pub(super) fn connected(&mut self) {
+        self.phase = Phase::Ready;
+    }
+    /// Whether it is past its deadline without being connected.
+    pub(super) fn expired(&self, now: Instant) -> bool {
+        self.phase != Phase::Ready && now > self.deadline
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn conn_is_repeated_until_the_right_ack_and_then_never() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut c = Connecting::new(42, t0, s, 8 * s);
+        assert!(
+            c.conn_due(t0) && !c.takes_ack(42),
+            "no Ack before the Conn went out"
+        );
+        c.conn_sent(t0);
+        assert_eq!(c.phase(), Phase::AwaitAck);
+        assert!(!c.conn_due(t0 + s / 2));
+        assert!(c.conn_due(t0 + s), "repeated every period");
+        c.conn_sent(t0 + s);
+        assert!(!c.takes_ack(41), "another connect's Ack");
+        assert!(c.takes_ack(42));
+        c.connected();
+        assert!(
+            !c.conn_due(t0 + 3 * s) && !c.takes_ack(42),
+            "a repeated Ack is ignored"
+        );
+        assert!(!c.expired(t0 + 100 * s), "a connected side never expires");
+    }
+
+    #[test]
+    fn an_unanswered_connect_expires_at_its_deadline() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut c = Connecting::new(1, t0, s, 8 * s);
+        c.conn_sent(t0);
+        assert!(!c.expired(t0 + 8 * s) && c.expired(t0 + 8 * s + Duration::from_millis(1)));
+    }
 
     fn p(conn: u64) -> Pending<u64, ()> {
         Pending {

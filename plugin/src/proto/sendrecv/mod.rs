@@ -71,7 +71,7 @@ mod send;
 
 use cq::*;
 use ctrl::*;
-use handshake::{Handshakes, Step};
+use handshake::{Connecting, Handshakes, Phase, Step};
 use liveness::*;
 use request::*;
 

@@ -3,13 +3,6 @@
 
 use super::*;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Phase {
-    SendConn,
-    AwaitAck,
-    Ready,
-}
-
 /// A sending comm (also the state of a `connect` in progress).
 pub struct SendComm {
     pub(crate) dev: Arc<DeviceState>,
@@ -25,17 +18,13 @@ pub(super) struct SendState {
     pub(super) ep: Endpoint,
     pub(super) ctrl: CtrlBufs,
     pub(super) reqs: Pool<Request>,
-    pub(super) phase: Phase,
+    /// The handshake (see [`Connecting`]).
+    pub(super) connect: Connecting,
     pub(super) listener: Peer,
     pub(super) listener_nonce: u64,
-    pub(super) conn: u64,
     pub(super) link: Link,
     pub(super) credits: u32,
     pub(super) max_credits: u32,
-    pub(super) deadline: Instant,
-    /// When `Conn` was last sent (it is repeated every heartbeat period
-    /// until the Ack comes).
-    pub(super) conn_sent: Option<Instant>,
     pub(super) eager: usize,
 }
 
@@ -59,7 +48,12 @@ impl SendComm {
         })?;
         let reqs = Pool::new(MAX_REQUESTS * MAX_RECVS).map_err(|e| Error::system(e.to_string()))?;
         let eager = dev.eager_size.min(dev.dev.inject_size);
-        let deadline = Instant::now() + dev.peer_timeout;
+        let connect = Connecting::new(
+            nonce(),
+            Instant::now(),
+            heartbeat_period(dev.peer_timeout),
+            dev.peer_timeout,
+        );
         Ok(Self {
             dev,
             traffic_class,
@@ -68,15 +62,12 @@ impl SendComm {
                 ep,
                 ctrl,
                 reqs,
-                phase: Phase::SendConn,
+                connect,
                 listener,
                 listener_nonce: handle.nonce,
-                conn: nonce(),
                 link: Link::new(),
                 credits: 0,
                 max_credits: 0,
-                deadline,
-                conn_sent: None,
                 eager,
             }),
         })
@@ -91,21 +82,14 @@ impl Sender for SendComm {
     fn step_connect(&self) -> Result<bool> {
         let mut st = lock(&self.inner);
         let now = Instant::now();
-        let resend = st.phase == Phase::AwaitAck
-            && st.conn_sent.is_some_and(|t| {
-                now.saturating_duration_since(t) >= heartbeat_period(self.dev.peer_timeout)
-            });
-        if st.phase == Phase::SendConn || resend {
+        if st.connect.conn_due(now) {
             let msg = Ctrl::Conn {
                 listener: st.listener_nonce,
-                conn: st.conn,
+                conn: st.connect.conn(),
                 addr: st.ep.name()?,
             };
             match send_ctrl(&st.ep, &st.listener, &msg) {
-                Ok(()) => {
-                    st.phase = Phase::AwaitAck;
-                    st.conn_sent = Some(now);
-                }
+                Ok(()) => st.connect.conn_sent(now),
                 Err(e) if e.is_again() => {}
                 Err(e) => {
                     return Err(Error::remote(format!(
@@ -115,10 +99,10 @@ impl Sender for SendComm {
             }
         }
         st.progress()?;
-        if st.phase == Phase::Ready {
+        if st.connect.phase() == Phase::Ready {
             return Ok(true);
         }
-        if Instant::now() > st.deadline {
+        if st.connect.expired(Instant::now()) {
             return Err(Error::remote(format!(
                 "connect: no answer from the listener within {:.1} s (WEFT_PEER_TIMEOUT): is the peer process alive and using the same Weft?",
                 self.dev.peer_timeout.as_secs_f64()
@@ -140,7 +124,7 @@ impl Sender for SendComm {
         let Some(mut st) = try_lock(&self.inner) else {
             return Ok(None);
         };
-        if st.phase != Phase::Ready {
+        if st.connect.phase() != Phase::Ready {
             return Err(Error::internal(
                 "isend on a comm whose connect has not finished",
             ));
@@ -225,7 +209,7 @@ impl Side for SendState {
     const WHAT: &'static str = "send comm to";
     const KIND: &'static str = "send";
     fn linked(&self) -> bool {
-        self.phase == Phase::Ready
+        self.connect.phase() == Phase::Ready
     }
     fn parts(&mut self) -> (&mut Endpoint, &mut Pool<Request>, &mut Link) {
         (&mut self.ep, &mut self.reqs, &mut self.link)
@@ -269,7 +253,7 @@ impl SendState {
         let msg = Ctrl::decode(self.ctrl.bytes(i, comp.len));
         self.ctrl.repost(&self.ep, i)?;
         match msg {
-            Ok(Ctrl::Credit { count }) if self.phase == Phase::Ready => {
+            Ok(Ctrl::Credit { count }) if self.connect.phase() == Phase::Ready => {
                 // A peer can never grant more than it announced.
                 self.credits = self.credits.saturating_add(count).min(self.max_credits);
             }
@@ -278,14 +262,14 @@ impl SendState {
                 conn,
                 credits,
                 addr,
-            }) if self.phase == Phase::AwaitAck && conn == self.conn => {
+            }) if self.connect.takes_ack(conn) => {
                 if let Err(e) = self.link.connect(&self.ep, &addr) {
                     tracing::warn!("send comm: ignored an Ack with an unusable address: {e}");
                     return Ok(());
                 }
                 self.max_credits = credits.clamp(1, CREDITS);
                 self.credits = self.max_credits;
-                self.phase = Phase::Ready;
+                self.connect.connected();
                 // The first Alive confirms the connection to `accept`; when
                 // the provider is busy the keeper sends it on its next tick.
                 match send_ctrl(&self.ep, &self.link.peer, &Ctrl::Alive) {
