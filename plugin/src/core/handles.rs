@@ -7,11 +7,11 @@
 //! completed) can never name a live object, and a foreign pointer is refused:
 //! it is looked up before anything is done with it.
 //!
-//! Requests are tokens too: the request space of their comm (a token of its
-//! own), the slot in the comm's pool, and the slot's generation, which grows
-//! every time the slot is freed. A stale request token names an old
-//! generation and is refused instead of consuming a newer request's
-//! completion.
+//! Requests are tokens too: their comm (its kind and the serial of its own
+//! token), the slot in the comm's pool, and the slot's generation, which
+//! grows every time the slot is freed. A stale request token names an old
+//! generation, or a closed comm, and is refused instead of consuming a newer
+//! request's completion.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -49,8 +49,10 @@ type TokenMap<T> = HashMap<u64, Arc<T>, BuildHasherDefault<AddrHasher>>;
 /// Marks a token (bits 60..64): no real pointer NCCL might confuse it with
 /// has these bits set on the platforms NCCL runs on.
 const TOKEN_TAG: u64 = 0x5 << 60;
-/// Marks a request token.
-const REQ_TAG: u64 = 0x6 << 60;
+/// Marks a request of a send comm.
+const REQ_SEND_TAG: u64 = 0x6 << 60;
+/// Marks a request of a receive comm.
+const REQ_RECV_TAG: u64 = 0x7 << 60;
 const TAG_MASK: u64 = 0xF << 60;
 
 /// A new, never-used serial number (1, 2, ...).
@@ -63,6 +65,7 @@ fn token_of(serial: u64) -> *mut c_void {
     std::ptr::without_provenance_mut(((serial << 4) | TOKEN_TAG) as usize)
 }
 
+/// The serial number behind a token, if `p` is one.
 fn serial_of(p: *const c_void) -> Option<u64> {
     let v = p as usize as u64;
     (v & TAG_MASK == TOKEN_TAG && v & 0xF == 0).then_some((v & !TAG_MASK) >> 4)
@@ -74,25 +77,42 @@ const REQ_SLOT_BITS: u32 = 10;
 /// this wide).
 const REQ_GEN_BITS: u32 = crate::proto::pool::GEN_BITS;
 
-/// The token NCCL gets for slot `slot` (generation `gen`) of the request
-/// space `space`.
-pub fn req_token(space: u64, slot: u32, gen: u32) -> *mut c_void {
+/// Which kind of comm a request belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReqKind {
+    /// A send comm's.
+    Send,
+    /// A receive comm's.
+    Recv,
+}
+
+/// The token NCCL gets for slot `slot` (generation `gen`) of the comm of
+/// kind `kind` recorded under `comm` (its serial).
+pub fn req_token(kind: ReqKind, comm: u64, slot: u32, gen: u32) -> *mut c_void {
     debug_assert!(slot < 1 << REQ_SLOT_BITS);
-    let v = REQ_TAG
-        | (space << (REQ_SLOT_BITS + REQ_GEN_BITS))
+    let tag = match kind {
+        ReqKind::Send => REQ_SEND_TAG,
+        ReqKind::Recv => REQ_RECV_TAG,
+    };
+    let v = tag
+        | (comm << (REQ_SLOT_BITS + REQ_GEN_BITS))
         | (u64::from(gen & ((1 << REQ_GEN_BITS) - 1)) << REQ_SLOT_BITS)
         | u64::from(slot);
     std::ptr::without_provenance_mut(v as usize)
 }
 
-/// A request token's (space, slot, generation); `None` if it is none.
-pub fn req_parts(p: *const c_void) -> Option<(u64, u32, u32)> {
+/// A request token's (kind, comm serial, slot, generation); `None` if it
+/// is none.
+pub fn req_parts(p: *const c_void) -> Option<(ReqKind, u64, u32, u32)> {
     let v = p as usize as u64;
-    if v & TAG_MASK != REQ_TAG {
-        return None;
-    }
+    let kind = match v & TAG_MASK {
+        REQ_SEND_TAG => ReqKind::Send,
+        REQ_RECV_TAG => ReqKind::Recv,
+        _ => return None,
+    };
     let v = v & !TAG_MASK;
     Some((
+        kind,
         v >> (REQ_SLOT_BITS + REQ_GEN_BITS),
         (v & ((1 << REQ_SLOT_BITS) - 1)) as u32,
         ((v >> REQ_SLOT_BITS) & ((1 << REQ_GEN_BITS) - 1)) as u32,
@@ -134,6 +154,11 @@ impl<T: ?Sized> Registry<T> {
     pub fn get(&self, p: *const c_void) -> Option<Arc<T>> {
         self.get_at(serial_of(p)?)
     }
+    /// [`Registry::get`], with the serial number `p` carries.
+    pub fn get_with_serial(&self, p: *const c_void) -> Option<(u64, Arc<T>)> {
+        let s = serial_of(p)?;
+        Some((s, self.get_at(s)?))
+    }
     /// The live object recorded under `serial`.
     pub fn get_at(&self, serial: u64) -> Option<Arc<T>> {
         self.map
@@ -144,14 +169,10 @@ impl<T: ?Sized> Registry<T> {
     }
     /// Forgets and returns the object for the token `p`.
     pub fn remove(&self, p: *const c_void) -> Option<Arc<T>> {
-        self.remove_at(serial_of(p)?)
-    }
-    /// Forgets and returns the object recorded under `serial`.
-    pub fn remove_at(&self, serial: u64) -> Option<Arc<T>> {
         self.map
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&serial)
+            .remove(&serial_of(p)?)
     }
     /// Live objects.
     pub fn len(&self) -> usize {
@@ -198,9 +219,11 @@ mod tests {
     #[test]
     fn request_tokens_carry_space_slot_and_generation() {
         let s = serial();
-        let t = req_token(s, 255, 70_000);
-        let (space, slot, gen) = req_parts(t).unwrap();
-        assert_eq!((space, slot), (s, 255));
+        let t = req_token(ReqKind::Recv, s, 255, 70_000);
+        let (kind, comm, slot, gen) = req_parts(t).unwrap();
+        assert_eq!((kind, comm, slot), (ReqKind::Recv, s, 255));
+        let t = req_token(ReqKind::Send, s, 3, 1);
+        assert_eq!(req_parts(t).unwrap().0, ReqKind::Send);
         assert_eq!(
             gen,
             70_000 & ((1 << REQ_GEN_BITS) - 1),

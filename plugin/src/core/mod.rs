@@ -27,7 +27,7 @@ use crate::log::NcclDebugLogger;
 use crate::mr::{MrCache, Region};
 use crate::proto::wire::{self, ListenHandle, HANDLE_SIZE};
 use crate::proto::{self, heartbeat_period, Protocol, RecvBuf, ReqId};
-use handles::Registry;
+use handles::{Registry, ReqKind};
 use profiler::{Events, Profiler};
 
 /// The process-wide state behind every context.
@@ -73,12 +73,11 @@ struct Listener {
     profiler: Option<Profiler>,
 }
 
-/// A connected comm handed to NCCL: the protocol's comm, the request space
-/// of its request tokens, and its requests' profiler events.
+/// A connected comm handed to NCCL: the protocol's comm and its requests'
+/// profiler events. Its request tokens name it by its own token's serial.
 #[derive(Debug)]
 struct Connected<C: ?Sized> {
     comm: Arc<C>,
-    req_space: u64,
     events: Events,
 }
 
@@ -89,25 +88,22 @@ impl<C: proto::Comm + ?Sized> Connected<C> {
     fn new(comm: Arc<C>, profiler: Option<Profiler>) -> Self {
         Self {
             events: Events::new(profiler, comm.dev().index, &comm.peer_name()),
-            req_space: handles::serial(),
             comm,
         }
     }
-}
 
-/// The owner of a request (for `test`).
-#[derive(Debug)]
-enum ReqOwner {
-    Send(Arc<Sender>),
-    Recv(Arc<Receiver>),
-}
-
-impl ReqOwner {
-    fn events(&self) -> &Events {
-        match self {
-            ReqOwner::Send(s) => &s.events,
-            ReqOwner::Recv(r) => &r.events,
+    /// Tests request `id`, stopping its profiler events once it is done or
+    /// failed.
+    fn test(&self, id: ReqId) -> Result<Option<Done>> {
+        let r = self.comm.test(id);
+        if self.events.enabled() {
+            match &r {
+                Ok(Some(d)) => self.events.stop(id.slot, Some(&d.sizes[..d.n])),
+                Err(_) => self.events.stop(id.slot, None),
+                Ok(None) => {}
+            }
         }
+        r
     }
 }
 
@@ -120,8 +116,6 @@ struct Registries {
     send: Registry<Sender>,
     recv: Registry<Receiver>,
     mr: Registry<MrHandle>,
-    /// Request spaces -> the comm whose requests they are.
-    req: Registry<ReqOwner>,
 }
 
 /// The plugin while at least one context is live.
@@ -206,7 +200,6 @@ fn teardown(r: Running) {
     drop(r.keeper);
     let left = REG.listen.clear() + REG.send.clear() + REG.recv.clear() + REG.mr.clear();
     REG.connecting.clear();
-    REG.req.clear();
     if left > 0 {
         tracing::warn!(
             "finalize: {left} comm(s) or memory handle(s) were still open at the last finalize; closed them"
@@ -386,10 +379,9 @@ pub fn connect(
         Ok(true) => {
             wire::write_stage(handle, None);
             REG.connecting.remove(p);
-            let s = Arc::new(Sender::new(comm, c.profiler));
-            REG.req
-                .insert_at(s.req_space, Arc::new(ReqOwner::Send(Arc::clone(&s))));
-            Ok(Some(REG.send.insert(s)))
+            Ok(Some(
+                REG.send.insert(Arc::new(Sender::new(comm, c.profiler))),
+            ))
         }
         Ok(false) => Ok(None),
         Err(e) => {
@@ -405,12 +397,9 @@ pub fn accept(listen: *mut c_void) -> Result<Option<*mut c_void>> {
     let l = REG.listen.get(listen).ok_or_else(|| {
         Error::internal(format!("accept: {listen:p} is not a live Weft listen comm"))
     })?;
-    Ok(l.comm.accept()?.map(|comm| {
-        let r = Arc::new(Receiver::new(comm, l.profiler));
-        REG.req
-            .insert_at(r.req_space, Arc::new(ReqOwner::Recv(Arc::clone(&r))));
-        REG.recv.insert(r)
-    }))
+    Ok(l.comm
+        .accept()?
+        .map(|comm| REG.recv.insert(Arc::new(Receiver::new(comm, l.profiler)))))
 }
 
 /// The device of a send or receive comm.
@@ -520,9 +509,9 @@ pub unsafe fn isend(
     mh: *mut c_void,
     phandle: *mut c_void,
 ) -> Result<Option<*mut c_void>> {
-    let s = REG
+    let (serial, s) = REG
         .send
-        .get(comm)
+        .get_with_serial(comm)
         .ok_or_else(|| Error::internal(format!("isend: {comm:p} is not a live Weft send comm")))?;
     let desc = desc_for(mh, s.comm.dev().index, data.cast(), size, "isend")?;
     // SAFETY: the buffer lies inside a live registration of NCCL's memory
@@ -534,7 +523,12 @@ pub unsafe fn isend(
         id.slot,
         std::iter::once((phandle, profiler::OP_SEND, tag, size)),
     );
-    Ok(Some(handles::req_token(s.req_space, id.slot, id.gen)))
+    Ok(Some(handles::req_token(
+        ReqKind::Send,
+        serial,
+        id.slot,
+        id.gen,
+    )))
 }
 
 /// One buffer of a grouped receive, as NCCL describes it.
@@ -566,7 +560,7 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
             props::MAX_RECVS
         )));
     }
-    let r = REG.recv.get(comm).ok_or_else(|| {
+    let (serial, r) = REG.recv.get_with_serial(comm).ok_or_else(|| {
         Error::internal(format!("irecv: {comm:p} is not a live Weft receive comm"))
     })?;
     let dev = r.comm.dev().index;
@@ -595,7 +589,12 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
         args.iter()
             .map(|a| (a.phandle, profiler::OP_RECV, a.tag, a.size)),
     );
-    Ok(Some(handles::req_token(r.req_space, id.slot, id.gen)))
+    Ok(Some(handles::req_token(
+        ReqKind::Recv,
+        serial,
+        id.slot,
+        id.gen,
+    )))
 }
 
 /// `iflush(recvComm, ...)`: host memory needs no flush, so the request is
@@ -622,20 +621,13 @@ pub fn test(req: *mut c_void) -> Result<Option<Done>> {
             "test: {req:p} is not a Weft request (stale or foreign pointer)"
         ))
     };
-    let (space, slot, gen) = handles::req_parts(req).ok_or_else(not_ours)?;
-    let owner = REG.req.get_at(space).ok_or_else(not_ours)?;
+    let (kind, comm, slot, gen) = handles::req_parts(req).ok_or_else(not_ours)?;
     let id = ReqId { slot, gen };
-    let r = match &*owner {
-        ReqOwner::Send(s) => s.comm.test(id),
-        ReqOwner::Recv(r) => r.comm.test(id),
-    };
-    let events = owner.events();
-    match &r {
-        Ok(Some(d)) if events.enabled() => events.stop(slot, Some(&d.sizes[..d.n])),
-        Err(_) if events.enabled() => events.stop(slot, None),
-        _ => {}
+    match kind {
+        ReqKind::Send => REG.send.get_at(comm).ok_or_else(not_ours)?.test(id),
+        ReqKind::Recv => REG.recv.get_at(comm).ok_or_else(not_ours)?.test(id),
     }
-    r.map_err(|e| e.context(format!("test({req:p})")))
+    .map_err(|e| e.context(format!("test({req:p})")))
 }
 
 /// `closeSend`.
@@ -643,7 +635,6 @@ pub fn close_send(comm: *mut c_void) -> Result<()> {
     let s = REG.send.remove(comm).ok_or_else(|| {
         Error::internal(format!("closeSend: {comm:p} is not a live Weft send comm"))
     })?;
-    REG.req.remove_at(s.req_space);
     s.events.stop_all();
     Ok(())
 }
@@ -655,7 +646,6 @@ pub fn close_recv(comm: *mut c_void) -> Result<()> {
             "closeRecv: {comm:p} is not a live Weft receive comm"
         ))
     })?;
-    REG.req.remove_at(c.req_space);
     c.events.stop_all();
     Ok(())
 }
