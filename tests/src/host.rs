@@ -132,6 +132,21 @@ pub fn irecv(
     poll_until("irecv request", || irecv_raw(comm, &args).expect("irecv"))
 }
 
+/// Moves `len` bytes of a pattern from `s` to `r` with `tag`: registers
+/// both buffers, sends, receives, checks size and content, deregisters. A
+/// pair that passes still works.
+pub fn send_verified(s: *mut c_void, r: *mut c_void, tag: i32, len: usize) {
+    let src = pattern(u64::from(tag as u32), tag, len);
+    let mut dst = vec![0u8; len];
+    let (smh, rmh) = (reg(s, &src), reg(r, &dst));
+    let rq = irecv(r, &mut [&mut dst[..]], &[tag], &[rmh]);
+    let (_, d) = wait2(isend(s, &src, tag, smh), rq);
+    assert_eq!(d.sizes[0], len, "received size");
+    assert!(dst == src, "{len} bytes with tag {tag} arrived changed");
+    core::dereg_mr(s, smh).expect("deregMr");
+    core::dereg_mr(r, rmh).expect("deregMr");
+}
+
 /// Tests until done.
 pub fn wait(req: *mut c_void) -> Done {
     poll_until("request completion", || core::test(req).expect("test"))

@@ -200,15 +200,7 @@ fn forged_conns_are_bounded(provider: &str) {
     );
     let (s, r) = connect_pair(ctx, &mut h, l);
     // The real comm works.
-    let src = pattern(1, 5, 5000);
-    let mut dst = vec![0u8; 5000];
-    let (smh, rmh) = (reg(s, &src), reg(r, &dst));
-    let rq = irecv(r, &mut [&mut dst[..]], &[5], &[rmh]);
-    let sq = isend(s, &src, 5, smh);
-    wait2(sq, rq);
-    assert!(dst == src);
-    core::dereg_mr(s, smh).unwrap();
-    core::dereg_mr(r, rmh).unwrap();
+    send_verified(s, r, 5, 5000);
     core::close_listen(l).unwrap();
     close_pair(s, r);
 }
@@ -451,14 +443,7 @@ fn stale_pointers_never_alias_live_objects() {
     // back does not return it a second time.
     wire::write_stage(&mut h, Some(s3 as usize));
     assert!(core::connect(ctx, 0, None, &mut h).is_err());
-    let smh2 = reg(s2, &src);
-    let mut out = vec![0u8; 10];
-    let rmh2 = reg(r2, &out);
-    let q = irecv(r2, &mut [&mut out[..]], &[9], &[rmh2]);
-    wait2(isend(s2, &src[..10], 9, smh2), q);
-    assert!(out[..] == src[..10]);
-    core::dereg_mr(s2, smh2).unwrap();
-    core::dereg_mr(r2, rmh2).unwrap();
+    send_verified(s2, r2, 9, 10);
     close_pair(s2, r2);
     close_pair(s3, r3);
 }
@@ -534,19 +519,13 @@ fn the_data_path_never_waits_for_a_held_comm() {
     };
     assert_eq!(irecv_raw(r, &[arg]).unwrap(), None);
     // Another comm moves data meanwhile.
-    let smh2 = reg(s2, &src);
-    let mut out = vec![0u8; 1000];
-    let rmh2 = reg(r2, &out);
-    let q = irecv(r2, &mut [&mut out[..]], &[4], &[rmh2]);
-    wait2(isend(s2, &src, 4, smh2), q);
-    assert!(out == src);
+    send_verified(s2, r2, 4, 1000);
     release.send(()).unwrap();
     holder.join().unwrap();
     wait2(isend(s, &src, 4, smh), rq);
     assert!(dst == src);
-    for (c, mh) in [(s, smh), (r, rmh), (s2, smh2), (r2, rmh2)] {
-        core::dereg_mr(c, mh).unwrap();
-    }
+    core::dereg_mr(s, smh).unwrap();
+    core::dereg_mr(r, rmh).unwrap();
     close_pair(s, r);
     close_pair(s2, r2);
 }
