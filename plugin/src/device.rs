@@ -114,7 +114,7 @@ pub struct ProviderReport {
 }
 
 /// Tries the providers in configured order and reports on each; the
-/// devices are those of the first provider that has any.
+/// devices are those of the first provider that has any (none is an error).
 pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), DiscoveryError> {
     let mut reports = Vec::new();
     let mut chosen: Vec<Device> = Vec::new();
@@ -196,14 +196,8 @@ pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), Dis
         });
         chosen = devices;
     }
-    Ok((reports, chosen))
-}
-
-/// Lists the devices of the first provider (in configured order) that has one.
-pub fn discover(config: &Config) -> Result<Vec<Device>, DiscoveryError> {
-    let (_, devices) = survey(config)?;
-    if !devices.is_empty() {
-        return Ok(devices);
+    if !chosen.is_empty() {
+        return Ok((reports, chosen));
     }
     Err(DiscoveryError::NoDevice {
         tried: config.providers.join(", "),
@@ -213,4 +207,9 @@ pub fn discover(config: &Config) -> Result<Vec<Device>, DiscoveryError> {
             format!(" with WEFT_IFACE={}", config.ifaces)
         },
     })
+}
+
+/// Lists the devices of the first provider (in configured order) that has one.
+pub fn discover(config: &Config) -> Result<Vec<Device>, DiscoveryError> {
+    survey(config).map(|(_, devices)| devices)
 }
