@@ -42,8 +42,8 @@ pub const PARAMS: &[Param] = &[
     Param {
         name: "WEFT_PROTOCOL",
         default: "auto",
-        accepted: "`auto`, `sendrecv` (tagged messages); `rdma` is refused: the RDMA-write protocol is not in this build",
-        meaning: "data-path protocol. `auto` picks the best the provider and this build allow (today always sendrecv) and says at INFO which and why, including whether the provider would qualify for rdma (FI_RMA with remote CQ data of at least 4 bytes)",
+        accepted: "`auto`, `sendrecv` (tagged messages), `rdma` (receiver-driven writes)",
+        meaning: "data-path protocol. `auto` picks rdma where the provider offers FI_RMA with at least 4 bytes of remote CQ data on every device, else sendrecv, and says at INFO which and why. Forcing `rdma` where the provider cannot is an init error naming what is missing. Every rank must use the same protocol (connect says so if not)",
     },
     Param {
         name: "WEFT_EAGER_SIZE",
@@ -72,6 +72,8 @@ pub enum Protocol {
     Auto,
     /// Tagged messages (`fi_tsend`/`fi_trecv`).
     SendRecv,
+    /// Receiver-driven writes (`fi_writedata`).
+    Rdma,
 }
 
 /// Where a setting's value came from.
@@ -366,13 +368,7 @@ impl Config {
             c.protocol = match v.trim() {
                 "auto" => Protocol::Auto,
                 "sendrecv" => Protocol::SendRecv,
-                "rdma" => {
-                    return Err(err(
-                        "WEFT_PROTOCOL",
-                        &v,
-                        "the RDMA protocol is not in this build",
-                    ))
-                }
+                "rdma" => Protocol::Rdma,
                 _ => return Err(err("WEFT_PROTOCOL", &v, "unknown protocol")),
             };
         }
@@ -404,6 +400,7 @@ impl Config {
             match self.protocol {
                 Protocol::Auto => "auto".to_owned(),
                 Protocol::SendRecv => "sendrecv".to_owned(),
+                Protocol::Rdma => "rdma".to_owned(),
             },
             format!("{} bytes", self.eager_size),
             self.link_speed_mbps
@@ -509,7 +506,7 @@ mod tests {
     fn every_param_rejects_a_bad_value_by_name() {
         let bad = |name: &str| match name {
             "WEFT_PROVIDER" | "WEFT_IFACE" => "a,,b",
-            "WEFT_PROTOCOL" => "rdma",
+            "WEFT_PROTOCOL" => "udp",
             "WEFT_PEER_TIMEOUT" => "0",
             _ => "-3",
         };

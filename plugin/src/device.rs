@@ -29,6 +29,19 @@ pub struct Device {
     pub rma: Rma,
     /// The `fi_info` to open it with.
     pub info: OwnedInfo,
+    /// The `fi_info` to open it with for RMA (when offered).
+    pub rma_info: Option<OwnedInfo>,
+}
+
+impl Device {
+    /// The `fi_info` to open the domain with: with `FI_RMA` for a protocol
+    /// that writes (`rma`), else for tagged messages only.
+    pub fn info_for(&self, rma: bool) -> crate::fabric::InfoRef<'_> {
+        match (&self.rma_info, rma) {
+            (Some(i), true) => i.as_ref(),
+            _ => self.info.as_ref(),
+        }
+    }
 }
 
 /// What a domain offers an RDMA-write protocol (asked of libfabric with
@@ -50,7 +63,7 @@ impl Rma {
 }
 
 /// Asks libfabric what `provider` offers each domain with `FI_RMA`.
-fn rma_of(provider: &str) -> Vec<(String, Rma)> {
+fn rma_of(provider: &str) -> Vec<(String, Rma, OwnedInfo)> {
     let mut h = Hints::rdm_tagged(Some(provider));
     h.caps |= u64::from(libfabric_sys::FI_RMA)
         | u64::from(libfabric_sys::FI_WRITE)
@@ -60,14 +73,15 @@ fn rma_of(provider: &str) -> Vec<(String, Rma)> {
     };
     list.iter()
         .filter(|i| i.provider() == provider)
-        .map(|i| {
-            (
+        .filter_map(|i| {
+            Some((
                 i.domain_name().to_owned(),
                 Rma {
                     offered: true,
                     cq_data_size: i.cq_data_size(),
                 },
-            )
+                i.to_owned().ok()?,
+            ))
         })
         .collect()
 }
@@ -127,7 +141,7 @@ pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), Dis
             continue;
         }
         let list = InfoList::get(&Hints::rdm_tagged(Some(provider)))?;
-        let rma = rma_of(provider);
+        let rmas = rma_of(provider);
         let mut devices: Vec<Device> = Vec::new();
         let mut filtered = Vec::new();
         for info in list.iter() {
@@ -148,6 +162,7 @@ pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), Dis
             if devices.iter().any(|d| d.domain == domain) {
                 continue;
             }
+            let rma = rmas.iter().find(|(d, ..)| d == domain);
             devices.push(Device {
                 index: devices.len(),
                 provider: provider.clone(),
@@ -156,12 +171,9 @@ pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), Dis
                 max_msg_size: info.max_msg_size(),
                 inject_size: info.inject_size(),
                 max_endpoints: info.max_endpoints(),
-                rma: rma
-                    .iter()
-                    .find(|(d, _)| d == domain)
-                    .map(|(_, r)| *r)
-                    .unwrap_or_default(),
+                rma: rma.map(|(_, r, _)| *r).unwrap_or_default(),
                 info: info.to_owned()?,
+                rma_info: rma.and_then(|(.., i)| i.as_ref().to_owned().ok()),
             });
         }
         let outcome = if !devices.is_empty() {

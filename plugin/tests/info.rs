@@ -61,7 +61,7 @@ fn text_report_names_devices_tables_and_sources() {
         "ncclNetPlugin_v12",
         "NCCL 2.30-",
         "ncclCollNetPlugin_v5",
-        "sendrecv",
+        "rdma (auto:",
     ] {
         assert!(text.contains(want), "the report lacks {want:?}:\n{text}");
     }
@@ -88,10 +88,10 @@ fn json_report_is_what_the_tables_say() {
         .expect("WEFT_PROVIDER");
     assert_eq!(provider["value"], "tcp;ofi_rxm");
     assert_eq!(provider["source"], "environment (WEFT_PROVIDER)");
-    // What auto chose, and what the provider offers an RDMA protocol.
+    // What auto chose, and why: tcp;ofi_rxm offers what rdma needs.
     let proto = r["protocol"].as_str().expect("protocol");
     assert!(
-        proto.starts_with("sendrecv (auto:") && proto.contains("FI_RMA"),
+        proto.starts_with("rdma (auto:") && proto.contains("FI_RMA"),
         "{proto}"
     );
 }

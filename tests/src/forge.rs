@@ -2,6 +2,7 @@
 //! buggy or hostile peer: forged `Conn`s to a listener, forged `Ack`s to a
 //! connecting comm, addresses of any length.
 
+use std::cell::Cell;
 use std::sync::Arc;
 
 use weft::fabric::{Completion, Domain, Endpoint, FiAddr, Mr, ACCESS_ALL};
@@ -16,6 +17,8 @@ pub struct Forger {
     _mr: Mr,
     buf: Vec<u8>,
     _domain: Arc<Domain>,
+    /// The comm id messages are sent to (see [`Forger::aim`]).
+    id: Cell<u32>,
 }
 
 impl Forger {
@@ -34,6 +37,7 @@ impl Forger {
             _mr: mr,
             buf,
             _domain: domain,
+            id: Cell::new(0),
         };
         f.post();
         f
@@ -48,11 +52,17 @@ impl Forger {
                 self._mr.desc(),
                 libfabric_sys::FI_ADDR_UNSPEC,
                 CTRL_TAG,
-                0,
+                0xFFFF_FFFF, // for any comm id
                 std::ptr::null_mut(),
             )
         }
         .expect("forger control receive");
+    }
+
+    /// Sends from now on go to comm `id` at their peer (the id a handle or
+    /// a Conn names; 0 where each endpoint has one comm).
+    pub fn aim(&self, id: u32) {
+        self.id.set(id);
     }
 
     /// This endpoint's name (a valid address to put in messages).
@@ -77,7 +87,10 @@ impl Forger {
         let n = msg.encode(&mut b);
         let mut c = [Completion::default(); 4];
         crate::poll_until("forger send", || {
-            match self.ep.tinject(&b[..n], to, CTRL_TAG) {
+            match self
+                .ep
+                .tinject(&b[..n], to, CTRL_TAG | u64::from(self.id.get()))
+            {
                 Ok(()) => return Some(()),
                 Err(e) if e.is_again() => {}
                 Err(e) => panic!("forger send: {e}"),

@@ -45,6 +45,12 @@ pub const TEST_PARAMS: &[Param] = &[
         accepted: "`1`",
         meaning: "marks a test rerun in a process of its own under plain `cargo test` (`weft_tests::isolated!`); nextest needs none",
     },
+    Param {
+        name: "WEFT_TEST_NARROW_IMM",
+        default: "unset",
+        accepted: "`1`",
+        meaning: "the plugin behaves as if writes carried 4 bytes of immediate data (EFA, verbs), so rdma sends every size in a `Wrote` control message; read by the plugin itself, set by the tests that cover that path",
+    },
 ];
 
 /// The poll-loop timeout (`WEFT_TEST_TIMEOUT`, default 300 s).

@@ -128,7 +128,14 @@ fn micro_costs_are_counted_under_callgrind() {
 fn resource_curve_prints_its_table() {
     let exe = env!("CARGO_BIN_EXE_weft-resources");
     let o = Command::new(exe)
-        .args(["--providers", "shm", "--pairs", "1,3"])
+        .args([
+            "--providers",
+            "shm",
+            "--pairs",
+            "1,3",
+            "--protocols",
+            "sendrecv,rdma",
+        ])
         .output()
         .expect("run weft-resources");
     let stdout = String::from_utf8_lossy(&o.stdout);
@@ -141,10 +148,21 @@ fn resource_curve_prints_its_table() {
     for what in ["endpoints", "MB per pair", "fds per pair"] {
         assert!(stdout.contains(what), "the table lacks {what:?}:\n{stdout}");
     }
-    let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("shm ")).collect();
-    assert_eq!(rows.len(), 2, "{stdout}");
-    // 3 pairs, both ends in this process: 6 endpoints today (one per comm).
-    assert!(rows[1].split_whitespace().nth(2) == Some("6"), "{stdout}");
+    let rows = |proto: &str| -> Vec<String> {
+        stdout
+            .lines()
+            .filter(|l| l.starts_with("shm ") && l.split_whitespace().nth(1) == Some(proto))
+            .map(str::to_owned)
+            .collect()
+    };
+    let (sr, rdma) = (rows("sendrecv"), rows("rdma"));
+    assert_eq!((sr.len(), rdma.len()), (2, 2), "{stdout}");
+    let endpoints = |row: &str| row.split_whitespace().nth(3).map(str::to_owned);
+    // 3 pairs, both ends in this process: sendrecv has an endpoint per comm;
+    // rdma's comms share the device's two, whatever their number.
+    assert_eq!(endpoints(&sr[1]).as_deref(), Some("6"), "{stdout}");
+    assert_eq!(endpoints(&rdma[0]).as_deref(), Some("2"), "{stdout}");
+    assert_eq!(endpoints(&rdma[1]).as_deref(), Some("2"), "{stdout}");
     let o = Command::new(exe)
         .args([
             "--providers",
@@ -153,6 +171,8 @@ fn resource_curve_prints_its_table() {
             "1,1000",
             "--max-rss-mb",
             "1",
+            "--protocols",
+            "sendrecv",
         ])
         .output()
         .expect("run weft-resources");

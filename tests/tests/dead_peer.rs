@@ -82,9 +82,29 @@ fn in_flight(
 ) -> (*mut c_void, *mut c_void, Vec<(&'static str, *mut c_void)>) {
     let smh = host::reg(s, out);
     let rmh = host::reg(r, inb);
-    let mut reqs: Vec<_> = (0..4)
-        .map(|_| ("send", host::isend(s, out, 5, smh)))
-        .collect();
+    let mut reqs: Vec<_> = if core::protocol_name().unwrap() == "rdma" {
+        // Receiver-driven: a send the peer offered no buffer for is never
+        // started (isend answers NULL), so only receives can be in flight.
+        for _ in 0..100 {
+            let q = host::isend_raw(
+                s,
+                out.as_ptr() as *mut c_void,
+                out.len(),
+                5,
+                smh,
+                std::ptr::null_mut(),
+            );
+            assert!(
+                matches!(q, Ok(None)),
+                "rdma: a send without an offer: {q:?}"
+            );
+        }
+        Vec::new()
+    } else {
+        (0..4)
+            .map(|_| ("send", host::isend(s, out, 5, smh)))
+            .collect()
+    };
     for chunk in inb.chunks_mut(SIZE) {
         reqs.push(("receive", host::irecv(r, &mut [chunk], &[5], &[rmh])));
     }

@@ -9,8 +9,8 @@ use std::ffi::c_void;
 use std::sync::mpsc;
 
 use weft::core;
-use weft::proto::sendrecv::MAX_PENDING;
 use weft::proto::wire::{self, Ctrl, ListenHandle, HANDLE_SIZE};
+use weft::proto::MAX_PENDING;
 use weft_tests::capture::{lines, weft_test_capture_logger};
 use weft_tests::forge::Forger;
 use weft_tests::host::*;
@@ -70,6 +70,7 @@ fn short_handle_addresses(provider: &str) {
         ListenHandle {
             nonce: real.nonce,
             addr,
+            ..real.clone()
         }
         .encode(&mut h)
         .unwrap();
@@ -92,6 +93,7 @@ fn forged_conn_addresses(provider: &str) {
     let real = ListenHandle::decode(&h).unwrap();
     let f = Forger::open(provider);
     let to = f.peer(&real.addr);
+    f.aim(real.id);
     let mut short = f.name();
     short.truncate(short.len() - 1);
     // Empty; one byte short (shm: no NUL); for tcp also 3 bytes of a sockaddr.
@@ -104,6 +106,7 @@ fn forged_conn_addresses(provider: &str) {
         let msg = Ctrl::Conn {
             listener: real.nonce,
             conn: conn as u64,
+            id: 1,
             addr,
         };
         f.send_while(to, &msg, || assert!(core::accept(l).unwrap().is_none()));
@@ -123,10 +126,15 @@ both!(forged_conn_addresses: tcp_forged_conn_addresses, shm_forged_conn_addresse
 fn forged_ack_addresses(provider: &str) {
     let ctx = init_logged(provider);
     let f = Forger::open(provider);
+    let (real, l) = listen(ctx);
+    let proto = ListenHandle::decode(&real).unwrap().proto;
+    core::close_listen(l).unwrap();
     let mut h = [0u8; HANDLE_SIZE];
     ListenHandle {
         nonce: 77,
         addr: f.name(),
+        id: 0,
+        proto,
     }
     .encode(&mut h)
     .unwrap();
@@ -136,12 +144,14 @@ fn forged_ack_addresses(provider: &str) {
             Some(Ctrl::Conn {
                 listener: 77,
                 conn,
+                id,
                 addr,
-            }) => Some((conn, addr)),
+            }) => Some((conn, addr, id)),
             _ => None,
         }
     });
     let back = f.peer(&conn.1);
+    f.aim(conn.2);
     let mut short = f.name();
     short.truncate(short.len() - 1);
     for addr in [Vec::new(), vec![1, 2, 3], short] {
@@ -150,6 +160,7 @@ fn forged_ack_addresses(provider: &str) {
             &Ctrl::Ack {
                 conn: conn.0,
                 credits: 8,
+                id: 1,
                 addr,
             },
         );
@@ -169,12 +180,14 @@ fn forged_conns_are_bounded(provider: &str) {
     let real = ListenHandle::decode(&h).unwrap();
     let f = Forger::open(provider);
     let to = f.peer(&real.addr);
+    f.aim(real.id);
     assert!(core::accept(l).unwrap().is_none());
     let (fds0, rss0) = (open_fds(), status_kb("VmRSS"));
     for conn in 0..40 {
         let msg = Ctrl::Conn {
             listener: real.nonce,
             conn: 1000 + conn,
+            id: 1,
             addr: f.name(),
         };
         f.send_while(to, &msg, || assert!(core::accept(l).unwrap().is_none()));
@@ -243,8 +256,26 @@ fn close_one_end_in_process(provider: &str) {
             let mut dst = vec![0u8; 64];
             let rmh = reg(r, &dst);
             core::close_send(s).unwrap();
-            let q = irecv(r, &mut [&mut dst[..]], &[1], &[rmh]);
-            let e = poll_until("the receive to fail", || core::test(q).err());
+            // The receive fails when tested, or at once where the closed
+            // end said so (rdma's Bye).
+            let args = [core::RecvArg {
+                data: dst.as_mut_ptr().cast(),
+                size: dst.len(),
+                tag: 1,
+                mhandle: rmh,
+                phandle: std::ptr::null_mut(),
+            }];
+            let mut q = None;
+            let e = poll_until("the receive to fail", || match q {
+                None => match irecv_raw(r, &args) {
+                    Ok(posted) => {
+                        q = posted;
+                        None
+                    }
+                    Err(e) => Some(e),
+                },
+                Some(q) => core::test(q).err(),
+            });
             assert!(
                 e.msg.contains("closed") || e.msg.contains("silent"),
                 "{provider}: {e}"

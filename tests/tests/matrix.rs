@@ -1,5 +1,5 @@
-//! The version matrix: every exported net table x {tcp;ofi_rxm on lo, shm},
-//! each cell in a process of its own (`weft-demo --cell`), driven the way
+//! The version matrix: every exported net table x {tcp;ofi_rxm on lo, shm}
+//! x {rdma, sendrecv}, each cell in a process of its own (`weft-demo --cell`), driven the way
 //! that version's NCCL drives a plugin (tests/src/matrix.rs). Prints one
 //! table of results with the number of checks; any failing cell fails.
 
@@ -11,25 +11,31 @@ const DEMO: &str = env!("CARGO_BIN_EXE_weft-demo");
 #[test]
 fn version_matrix() {
     let providers = ["tcp;ofi_rxm", "shm"];
+    let protocols = ["rdma", "sendrecv"];
+    let columns: Vec<(&str, &str)> = providers
+        .iter()
+        .flat_map(|&p| protocols.iter().map(move |&q| (p, q)))
+        .collect();
     let mut rows = Vec::new();
     let mut failures = Vec::new();
     for v in 5..=12u32 {
         let mut row = format!("v{v:<3} {:<10}", weft_tests::emu::releases(v));
-        for p in providers {
+        for &(p, proto) in &columns {
             let t = Instant::now();
             let out = Command::new(DEMO)
                 .args(["--cell", &v.to_string(), "--provider", p])
+                .env("WEFT_PROTOCOL", proto)
                 .output()
                 .expect("run weft-demo --cell");
             let text = String::from_utf8_lossy(&out.stdout);
             let last = text.lines().last().unwrap_or("").to_owned();
             let cell = match last.strip_prefix("checks ") {
                 Some(n) if out.status.success() => {
-                    format!("pass ({n} checks, {:.1} s)", t.elapsed().as_secs_f64())
+                    format!("pass ({n}, {:.1} s)", t.elapsed().as_secs_f64())
                 }
                 _ => {
                     failures.push(format!(
-                        "v{v} over {p}: {last}\n{}",
+                        "v{v} over {p} ({proto}): {last}\n{}",
                         String::from_utf8_lossy(&out.stderr)
                             .lines()
                             .take(5)
@@ -39,15 +45,16 @@ fn version_matrix() {
                     "FAIL".to_owned()
                 }
             };
-            row.push_str(&format!(" | {cell:<28}"));
+            row.push_str(&format!(" | {cell:<20}"));
         }
         rows.push(row);
     }
-    println!("\nversion matrix (NCCL-host emulation, two processes per cell):");
-    println!(
-        "{:<14} | {:<28} | {:<28}",
-        "table  NCCL", providers[0], providers[1]
-    );
+    println!("\nversion matrix (NCCL-host emulation, two processes per cell; checks, time):");
+    let mut head = format!("{:<14}", "table  NCCL");
+    for (p, q) in &columns {
+        head.push_str(&format!(" | {:<20}", format!("{p} {q}")));
+    }
+    println!("{head}");
     for r in &rows {
         println!("{r}");
     }

@@ -2,7 +2,7 @@
 
 use weft::core;
 use weft_tests::host::{self, pattern};
-use weft_tests::peer::Peer;
+use weft_tests::peer::{unhex, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_weft-peer");
 
@@ -61,14 +61,68 @@ fn both_directions(provider: &str) {
     peer.quit();
 }
 
+/// Every test runs under `protocol` (the peer inherits the environment).
+fn with_protocol(protocol: &str, provider: &str) {
+    std::env::set_var("WEFT_PROTOCOL", protocol);
+    both_directions(provider);
+    assert_eq!(core::protocol_name().unwrap(), protocol);
+}
+
 #[test]
 fn tcp_two_processes() {
     weft_tests::isolated!();
-    both_directions("tcp");
+    with_protocol("rdma", "tcp");
 }
 
 #[test]
 fn shm_two_processes() {
     weft_tests::isolated!();
-    both_directions("shm");
+    with_protocol("rdma", "shm");
+}
+
+#[test]
+fn tcp_two_processes_sendrecv() {
+    weft_tests::isolated!();
+    with_protocol("sendrecv", "tcp");
+}
+
+#[test]
+fn shm_two_processes_sendrecv() {
+    weft_tests::isolated!();
+    with_protocol("sendrecv", "shm");
+}
+
+/// rdma as on a provider with 4-byte immediates (EFA, verbs): every size
+/// travels in a `Wrote` control message instead of the immediate.
+#[test]
+fn tcp_two_processes_narrow_immediates() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_TEST_NARROW_IMM", "1");
+    with_protocol("rdma", "tcp");
+}
+
+#[test]
+fn shm_two_processes_narrow_immediates() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_TEST_NARROW_IMM", "1");
+    with_protocol("rdma", "shm");
+}
+
+/// Ranks with different protocols: `connect` fails at once, naming both
+/// and the setting to fix.
+#[test]
+fn protocol_mismatch_is_named() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_PROTOCOL", "sendrecv");
+    let mut peer = Peer::spawn(PEER);
+    peer.cmd("init tcp");
+    std::env::set_var("WEFT_PROTOCOL", "rdma");
+    let ctx = host::init("tcp");
+    let mut h = unhex(peer.cmd("listen").strip_prefix("handle ").expect("handle")).unwrap();
+    let e = core::connect(ctx, 0, None, &mut h).expect_err("a mismatch must fail");
+    assert!(
+        e.msg.contains("sendrecv") && e.msg.contains("rdma") && e.msg.contains("WEFT_PROTOCOL"),
+        "{e}"
+    );
+    peer.quit();
 }

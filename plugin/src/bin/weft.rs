@@ -188,7 +188,7 @@ fn tables(lib: &Lib) -> Vec<Value> {
 fn report(lib: &Lib) -> Result<Value, String> {
     let config = Config::from_env().map_err(|e| e.to_string())?;
     let (providers, found) = device::survey(&config).map_err(|e| e.to_string())?;
-    let (protocol, why) = nccl_net_weft::proto::choose(config.protocol, &found);
+    let (protocol, why) = nccl_net_weft::proto::choose(config.protocol, &found)?;
     // SAFETY: a plain query of the loaded libfabric.
     let v = unsafe { libfabric_sys::fi_version() };
     let providers: Vec<Value> = providers

@@ -163,13 +163,14 @@ fn start(config: Option<Config>) -> Result<Running> {
         None => config::load()?,
     };
     let found = device::discover(&config)?;
-    let (protocol, why) = proto::choose(config.protocol, &found);
+    let (protocol, why) = proto::choose(config.protocol, &found).map_err(Error::internal)?;
+    let rma = protocol.wire_id() == wire::PROTO_RDMA;
     tracing::info!(target: "weft::init", "protocol: {} ({why})", protocol.name());
     let mut devices = Vec::with_capacity(found.len());
     let mut all_props = Vec::with_capacity(found.len());
     for (index, dev) in found.into_iter().enumerate() {
         all_props.push(props::properties(index, &dev, &config));
-        let domain = Domain::open(dev.info.as_ref()).map_err(|e| {
+        let domain = Domain::open(dev.info_for(rma)).map_err(|e| {
             Error::from(e).context(format!("opening device {index} ({})", dev.domain))
         })?;
         devices.push(Arc::new(DeviceState {
@@ -178,6 +179,7 @@ fn start(config: Option<Config>) -> Result<Running> {
             domain,
             eager_size: config.eager_size,
             peer_timeout: config.peer_timeout,
+            hub: std::sync::Mutex::new(None),
             dev,
         }));
     }
@@ -350,6 +352,20 @@ pub fn connect(
     let c = ctx(ctx_p)?;
     let stage = wire::read_stage(handle).map_err(|e| Error::internal(e.to_string()))?;
     let h = ListenHandle::decode(handle).map_err(|e| Error::internal(e.to_string()))?;
+    let ours = c.plugin.protocol.wire_id();
+    if h.proto != ours {
+        let name = |p: u8| match p {
+            wire::PROTO_SENDRECV => "sendrecv".to_owned(),
+            wire::PROTO_RDMA => "rdma".to_owned(),
+            p => format!("unknown ({p})"),
+        };
+        return Err(Error::internal(format!(
+            "connect: the listener uses protocol {}, this rank {}; set the same WEFT_PROTOCOL on every rank \
+             (with auto, the same provider and libfabric)",
+            name(h.proto),
+            name(ours)
+        )));
+    }
     let (comm, p) = match stage {
         None => {
             let d = device(&c.plugin, dev)?;
@@ -467,7 +483,7 @@ fn desc_for(
     data: *const u8,
     size: usize,
     call: &str,
-) -> Result<*mut c_void> {
+) -> Result<(*mut c_void, u64, usize)> {
     if mh.is_null() {
         return Err(Error::internal(format!(
             "{call}: buffer {data:p} comes without a memory handle (NCCL registers every buffer it passes)"
@@ -491,7 +507,8 @@ fn desc_for(
             h.addr, h.len
         )));
     }
-    Ok(h.region.desc().desc)
+    let d = h.region.desc();
+    Ok((d.desc, d.key, h.region.range().start))
 }
 
 /// `isend(sendComm, data, size, tag, mhandle, phandle)`: `None` = retry later.
@@ -513,7 +530,7 @@ pub unsafe fn isend(
         .send
         .get_with_serial(comm)
         .ok_or_else(|| Error::internal(format!("isend: {comm:p} is not a live Weft send comm")))?;
-    let desc = desc_for(mh, s.comm.dev().index, data.cast(), size, "isend")?;
+    let (desc, ..) = desc_for(mh, s.comm.dev().index, data.cast(), size, "isend")?;
     // SAFETY: the buffer lies inside a live registration of NCCL's memory
     // (checked just above), which NCCL keeps until the request completes.
     let Some(id) = unsafe { s.comm.isend(data.cast(), size, tag, desc, phandle) }? else {
@@ -569,14 +586,19 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
         size: 0,
         tag: 0,
         desc: std::ptr::null_mut(),
+        key: 0,
+        base: 0,
         phandle: std::ptr::null_mut(),
     }; props::MAX_RECVS];
     for (b, a) in bufs.iter_mut().zip(args) {
+        let (desc, key, base) = desc_for(a.mhandle, dev, a.data.cast(), a.size, "irecv")?;
         *b = RecvBuf {
             data: a.data.cast(),
             size: a.size,
             tag: a.tag,
-            desc: desc_for(a.mhandle, dev, a.data.cast(), a.size, "irecv")?,
+            desc,
+            key,
+            base,
             phandle: a.phandle,
         };
     }
@@ -668,6 +690,11 @@ pub struct DeviceStats {
     pub mr_misses: u64,
     /// Ranges currently registered.
     pub mr_entries: usize,
+}
+
+/// The protocol the running plugin chose (`sendrecv`, `rdma`).
+pub fn protocol_name() -> Result<&'static str> {
+    Ok(plugin()?.protocol.name())
 }
 
 /// Counters of device `dev`.

@@ -1,7 +1,8 @@
 //! Address vector: peer endpoint names -> `fi_addr_t`.
 
+use std::collections::HashMap;
 use std::ptr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use libfabric_sys as fi;
 
@@ -16,6 +17,9 @@ pub type FiAddr = fi::fi_addr_t;
 pub struct Av {
     ptr: *mut fi::fid_av,
     domain: Arc<Domain>,
+    /// Names inserted so far: a name is inserted once, however many comms
+    /// reach it through this AV (shm's AV refuses a peer's 257th insert).
+    known: Mutex<HashMap<Vec<u8>, FiAddr>>,
 }
 
 // SAFETY: opened on a FI_THREAD_SAFE domain.
@@ -38,6 +42,7 @@ impl Av {
         Ok(Arc::new(Self {
             ptr,
             domain: Arc::clone(domain),
+            known: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -50,6 +55,10 @@ impl Av {
             code: fi::FI_EINVAL,
             text: format!("refused a peer address: {why}"),
         })?;
+        let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&a) = known.get(name) {
+            return Ok(a);
+        }
         let mut addr: FiAddr = fi::FI_ADDR_NOTAVAIL;
         // SAFETY: `name` holds one whole address of the provider's format
         // (checked just above), so libfabric reads only inside it; `addr`
@@ -70,6 +79,7 @@ impl Av {
                 i64::from(fi::FI_EADDRNOTAVAIL),
             ));
         }
+        known.insert(name.to_vec(), addr);
         Ok(addr)
     }
 
@@ -80,6 +90,10 @@ impl Av {
         check("fi_av_remove", unsafe {
             fi::fi_av_remove(self.ptr, &mut a, 1, 0)
         })?;
+        self.known
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|_, v| *v != addr);
         Ok(())
     }
 

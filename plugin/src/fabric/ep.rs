@@ -91,7 +91,13 @@ impl Endpoint {
     /// Opens an endpoint with a CQ and an AV of its own on `domain` (how
     /// Weft gives every comm its endpoint).
     pub fn open_own(domain: &Arc<Domain>) -> Result<Self, FiError> {
-        let cq = Cq::open(domain, 0)?;
+        Self::open_sized(domain, 0)
+    }
+
+    /// [`Endpoint::open_own`] with a CQ of `cq_size` entries (0: the
+    /// provider's default).
+    pub fn open_sized(domain: &Arc<Domain>, cq_size: usize) -> Result<Self, FiError> {
+        let cq = Cq::open(domain, cq_size)?;
         let av = Av::open(domain)?;
         Self::open(domain, &cq, &av)
     }
@@ -169,6 +175,34 @@ impl Endpoint {
         // SAFETY: upheld by the caller as documented.
         check("fi_trecv", unsafe {
             fi::fi_trecv(ep, buf.cast(), len, desc, src, tag, ignore, ctx)
+        })
+        .map(drop)
+    }
+
+    /// Writes `len` bytes into a peer's registered memory at `raddr` (key
+    /// `key`) and raises a completion there carrying `data` (remote CQ data).
+    /// `FI_EAGAIN` means "progress the CQ and retry".
+    ///
+    /// # Safety
+    /// As for [`Endpoint::tsend`]: the source stays valid and unchanged until
+    /// the completion for `ctx` is read.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn writedata(
+        &self,
+        buf: *const u8,
+        len: usize,
+        desc: *mut libc::c_void,
+        data: u64,
+        dest: FiAddr,
+        raddr: u64,
+        key: u64,
+        ctx: *mut libc::c_void,
+    ) -> Result<(), FiError> {
+        let ep = self.live("fi_writedata")?;
+        // SAFETY: upheld by the caller as documented; the remote range is the
+        // peer's to validate (its provider checks the key and bounds).
+        check("fi_writedata", unsafe {
+            fi::fi_writedata(ep, buf.cast(), len, desc, data, dest, raddr, key, ctx)
         })
         .map(drop)
     }

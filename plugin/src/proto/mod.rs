@@ -20,10 +20,16 @@ use crate::error::Result;
 use crate::fabric::{Domain, DomainRegistrar};
 use crate::mr::MrCache;
 
+pub(crate) mod cq;
+pub(crate) mod ctrl;
+pub(crate) mod handshake;
+pub mod hub;
 pub mod pool;
+pub mod rdma;
 pub mod sendrecv;
 pub mod wire;
 
+pub use handshake::MAX_PENDING;
 use wire::ListenHandle;
 
 /// Largest `n` of a grouped receive (`maxRecvs`; NCCL's IB transport uses 8 too).
@@ -46,6 +52,28 @@ pub struct DeviceState {
     pub eager_size: usize,
     /// `WEFT_PEER_TIMEOUT`.
     pub peer_timeout: Duration,
+    /// The device's shared endpoints, opened by the first comm that needs
+    /// them (the RDMA protocol's comms).
+    pub hub: std::sync::Mutex<Option<Arc<hub::Hub>>>,
+}
+
+impl DeviceState {
+    /// The device's hub, opened on first use.
+    pub fn hub(&self) -> Result<Arc<hub::Hub>> {
+        let mut h = self.hub.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(h) = &*h {
+            return Ok(Arc::clone(h));
+        }
+        let new = Arc::new(hub::Hub::open(self)?);
+        *h = Some(Arc::clone(&new));
+        Ok(new)
+    }
+
+    /// Whether peers address this device's registrations by virtual address
+    /// (`FI_MR_VIRT_ADDR`), not by offset into them.
+    pub fn virt_addr(&self) -> bool {
+        self.domain.info().mr_mode() & libfabric_sys::FI_MR_VIRT_ADDR != 0
+    }
 }
 
 /// How often each end of a comm says it is alive: an eighth of the peer
@@ -65,6 +93,10 @@ pub struct RecvBuf {
     pub tag: i32,
     /// Registration descriptor (NULL when the provider needs none).
     pub desc: *mut c_void,
+    /// The registration's remote key (RDMA).
+    pub key: u64,
+    /// Where the registration starts (RDMA offsets are from here).
+    pub base: usize,
     /// NCCL profiler handle (kept, v10+).
     pub phandle: *mut c_void,
 }
@@ -96,8 +128,10 @@ pub struct ReqId {
 
 /// A protocol: makes the comms of a device.
 pub trait Protocol: Send + Sync + std::fmt::Debug {
-    /// Its name (`sendrecv`).
+    /// Its name (`sendrecv`, `rdma`).
     fn name(&self) -> &'static str;
+    /// Its byte in listen handles ([`wire::PROTO_SENDRECV`], ...).
+    fn wire_id(&self) -> u8;
     /// Opens a listener on `dev`, with the handle NCCL sends to the peer.
     fn listen(&self, dev: Arc<DeviceState>) -> Result<(Arc<dyn Listener>, ListenHandle)>;
     /// Starts connecting to the listener named by `handle`.
@@ -166,32 +200,42 @@ pub trait Receiver: Comm {
     unsafe fn irecv(&self, bufs: &[RecvBuf]) -> Result<Option<ReqId>>;
 }
 
-/// The protocol `WEFT_PROTOCOL` chose for `devices`, and why, in words for
-/// the INFO line and `weft info`.
-pub fn choose(setting: crate::config::Protocol, devices: &[Device]) -> (Arc<dyn Protocol>, String) {
+/// The protocol `WEFT_PROTOCOL` chooses for `devices`, and why, in words
+/// for the INFO line and `weft info`; forcing `rdma` where the provider
+/// cannot is an error naming what is missing.
+pub fn choose(
+    setting: crate::config::Protocol,
+    devices: &[Device],
+) -> std::result::Result<(Arc<dyn Protocol>, String), String> {
     use crate::config::Protocol as P;
-    let proto: Arc<dyn Protocol> = Arc::new(sendrecv::SendRecv);
-    let why = match setting {
-        P::SendRecv => "WEFT_PROTOCOL=sendrecv".to_owned(),
-        P::Auto => {
-            let fit: Vec<&str> = devices
-                .iter()
-                .filter(|d| d.rma.qualifies())
-                .map(|d| d.domain.as_str())
-                .collect();
-            let provider = devices.first().map_or("", |d| d.provider.as_str());
-            let rma = if fit.len() == devices.len() && !fit.is_empty() {
-                format!(
-                    "{provider} offers FI_RMA with {} bytes of remote CQ data on every device, so rdma would qualify",
-                    devices[0].rma.cq_data_size
-                )
-            } else if devices.iter().any(|d| d.rma.offered) {
-                format!("{provider} offers FI_RMA, but not with 4 bytes of remote CQ data on every device")
-            } else {
-                format!("{provider} does not offer FI_RMA here")
-            };
-            format!("auto: the RDMA-write protocol is not in this build; {rma}")
-        }
+    let provider = devices.first().map_or("", |d| d.provider.as_str());
+    let rma = if devices.is_empty() {
+        Err("no device".to_owned())
+    } else if devices
+        .iter()
+        .all(|d| d.rma.qualifies() && d.rma_info.is_some())
+    {
+        Ok(format!(
+            "{provider} offers FI_RMA with {} bytes of remote CQ data on every device",
+            devices[0].rma.cq_data_size
+        ))
+    } else if devices.iter().any(|d| d.rma.offered) {
+        Err(format!(
+            "{provider} offers FI_RMA, but not with 4 bytes of remote CQ data on every device"
+        ))
+    } else {
+        Err(format!("{provider} does not offer FI_RMA here"))
     };
-    (proto, why)
+    let sendrecv: Arc<dyn Protocol> = Arc::new(sendrecv::SendRecv);
+    let rdma: Arc<dyn Protocol> = Arc::new(rdma::Rdma);
+    match (setting, rma) {
+        (P::SendRecv, _) => Ok((sendrecv, "WEFT_PROTOCOL=sendrecv".to_owned())),
+        (P::Rdma, Ok(why)) => Ok((rdma, format!("WEFT_PROTOCOL=rdma; {why}"))),
+        (P::Rdma, Err(why)) => Err(format!(
+            "WEFT_PROTOCOL=rdma, but the RDMA protocol needs FI_RMA with at least 4 bytes of remote CQ data: {why}. \
+             Use WEFT_PROTOCOL=auto (or sendrecv) with this provider"
+        )),
+        (P::Auto, Ok(why)) => Ok((rdma, format!("auto: {why}"))),
+        (P::Auto, Err(why)) => Ok((sendrecv, format!("auto: {why}, so sendrecv"))),
+    }
 }

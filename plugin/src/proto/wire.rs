@@ -9,10 +9,11 @@
 //! | 0..4 | magic `WEFT` |
 //! | 4..6 | format version ([`HANDLE_VERSION`]) |
 //! | 6 | address length (<= [`MAX_ADDR`]) |
-//! | 7 | reserved, 0 |
+//! | 7 | the listener's protocol ([`PROTO_SENDRECV`], [`PROTO_RDMA`]) |
 //! | 8..16 | listener nonce (random per `listen`) |
-//! | 16..20 | check value: FNV-1a over bytes 0..16 and the address |
+//! | 16..20 | check value: FNV-1a over bytes 0..16, the address and the id |
 //! | 20..20+len | the listener endpoint's libfabric address |
+//! | 108..112 | the listener's comm id on its endpoint (0: the endpoint is its own) |
 //! | 112..128 | connect stage: written by `connect` while it is in progress |
 //!
 //! Control messages carry [`CTRL_MAGIC`], a kind and a body; every field is
@@ -24,17 +25,23 @@ pub const HANDLE_SIZE: usize = 128;
 /// First bytes of every Weft handle.
 pub const HANDLE_MAGIC: [u8; 4] = *b"WEFT";
 /// Version of the handle and handshake format.
-pub const HANDLE_VERSION: u16 = 1;
+pub const HANDLE_VERSION: u16 = 2;
 /// Largest endpoint address a handle carries.
-pub const MAX_ADDR: usize = 92;
+pub const MAX_ADDR: usize = 88;
+/// Where the listener's comm id sits in the handle.
+pub const ID_OFFSET: usize = 108;
+/// Handle protocol byte: SENDRECV.
+pub const PROTO_SENDRECV: u8 = 0;
+/// Handle protocol byte: RDMA.
+pub const PROTO_RDMA: u8 = 1;
 /// Where `connect` keeps its in-progress state inside the handle.
 pub const STAGE_OFFSET: usize = 112;
 /// Marks a connect stage in progress.
 pub const STAGE_MAGIC: u32 = 0x5745_4654 ^ 0xC0;
 /// First bytes of every control message.
 pub const CTRL_MAGIC: u32 = 0x5746_5443; // "WFTC"
-/// Largest control message.
-pub const CTRL_MAX: usize = 128;
+/// Largest control message (an [`Ctrl::Rtr`] for [`super::MAX_RECVS`] buffers).
+pub const CTRL_MAX: usize = 320;
 
 /// FNV-1a, 32 bit: a check value for handles (not security, corruption only).
 pub fn fnv1a(parts: &[&[u8]]) -> u32 {
@@ -55,6 +62,10 @@ pub struct ListenHandle {
     pub nonce: u64,
     /// The listener endpoint's address.
     pub addr: Vec<u8>,
+    /// The listener's comm id on that endpoint (0 if the endpoint is its own).
+    pub id: u32,
+    /// The listener's protocol ([`PROTO_SENDRECV`] or [`PROTO_RDMA`]).
+    pub proto: u8,
 }
 
 /// Why a handle was refused.
@@ -94,10 +105,13 @@ impl ListenHandle {
         out[0..4].copy_from_slice(&HANDLE_MAGIC);
         out[4..6].copy_from_slice(&HANDLE_VERSION.to_le_bytes());
         out[6] = self.addr.len() as u8;
+        out[7] = self.proto;
         out[8..16].copy_from_slice(&self.nonce.to_le_bytes());
-        let check = fnv1a(&[&out[0..16], &self.addr]);
+        let id = self.id.to_le_bytes();
+        let check = fnv1a(&[&out[0..16], &self.addr, &id]);
         out[16..20].copy_from_slice(&check.to_le_bytes());
         out[20..20 + self.addr.len()].copy_from_slice(&self.addr);
+        out[ID_OFFSET..ID_OFFSET + 4].copy_from_slice(&id);
         Ok(())
     }
 
@@ -112,18 +126,21 @@ impl ListenHandle {
             return Err(HandleError::Version(version));
         }
         let len = usize::from(h[6]);
-        if len == 0 || len > MAX_ADDR || h[7] != 0 {
+        if len == 0 || len > MAX_ADDR {
             return Err(HandleError::AddrLen(len));
         }
         let addr = h[20..20 + len].to_vec();
+        let id: [u8; 4] = h[ID_OFFSET..ID_OFFSET + 4].try_into().expect("4 bytes");
         let found = u32::from_le_bytes(h[16..20].try_into().expect("4 bytes"));
-        let expected = fnv1a(&[&h[0..16], &addr]);
+        let expected = fnv1a(&[&h[0..16], &addr, &id]);
         if found != expected {
             return Err(HandleError::Check { found, expected });
         }
         Ok(Self {
             nonce: u64::from_le_bytes(h[8..16].try_into().expect("8 bytes")),
             addr,
+            id: u32::from_le_bytes(id),
+            proto: h[7],
         })
     }
 }
@@ -166,6 +183,8 @@ pub enum Ctrl {
         listener: u64,
         /// Random per connect; echoed by the Ack.
         conn: u64,
+        /// The connecting comm's id on its endpoint (0: its own endpoint).
+        id: u32,
         /// The sender endpoint's address.
         addr: Vec<u8>,
     },
@@ -175,6 +194,8 @@ pub enum Ctrl {
         conn: u64,
         /// Messages the sender may have outstanding before credits return.
         credits: u32,
+        /// The receive comm's id on its endpoint (0: its own endpoint).
+        id: u32,
         /// The receive endpoint's address.
         addr: Vec<u8>,
     },
@@ -186,7 +207,60 @@ pub enum Ctrl {
     /// Either side -> the other: "I am alive". Sent every heartbeat period;
     /// the connecting side's first one also completes the handshake.
     Alive,
+    /// Either side -> the other: "I closed my comm" (sent on close, best
+    /// effort, so the peer fails at once instead of after a timeout).
+    Bye,
+    /// RDMA receiver -> sender: "ready to receive" into these buffers (one
+    /// grouped `irecv`), the `seq`-th such message of the comm.
+    Rtr {
+        /// Counts the comm's Rtrs from 0 (wrapping), so the sender takes
+        /// them in posting order whatever order they arrive in.
+        seq: u32,
+        /// The receive request's slot (named again by the writes' immediates).
+        slot: u8,
+        /// One entry per buffer.
+        bufs: Vec<RtrBuf>,
+    },
+    /// RDMA sender -> receiver: buffer `sub` of request `slot` gets `size`
+    /// bytes (written, or being written, with an immediate naming it).
+    Wrote {
+        /// The receive request's slot.
+        slot: u8,
+        /// The buffer within it.
+        sub: u8,
+        /// Bytes sent.
+        size: u64,
+    },
+    /// RDMA sender -> receiver: the message for buffer `sub` of `slot` was
+    /// `size` bytes, more than the buffer holds; nothing was written.
+    Trunc {
+        /// The receive request's slot.
+        slot: u8,
+        /// The buffer within it.
+        sub: u8,
+        /// Bytes the sender had.
+        size: u64,
+    },
 }
+
+/// One buffer offered by an [`Ctrl::Rtr`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RtrBuf {
+    /// NCCL's tag for it.
+    pub tag: i32,
+    /// Its capacity.
+    pub size: u64,
+    /// Where to write: a virtual address or an offset into the registration,
+    /// as the provider's MR mode says.
+    pub addr: u64,
+    /// The registration's remote key.
+    pub key: u64,
+}
+
+/// Bytes of one [`RtrBuf`] on the wire.
+const RTR_BUF: usize = 28;
+/// Where an Rtr's buffers start.
+const RTR_HEAD: usize = 16;
 
 /// Why a control message was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -206,12 +280,21 @@ pub enum CtrlError {
     /// Address too long.
     #[error("control message with an address of {0} bytes (must be 1 ..= {MAX_ADDR})")]
     AddrLen(usize),
+    /// An Rtr naming no buffers, or more than a grouped receive has.
+    #[error("ready-to-receive message with {0} buffers (must be 1 ..= {n})", n = super::MAX_RECVS)]
+    RtrCount(usize),
 }
 
 const KIND_CONN: u8 = 1;
 const KIND_ACK: u8 = 2;
 const KIND_CREDIT: u8 = 3;
 const KIND_ALIVE: u8 = 4;
+const KIND_RTR: u8 = 5;
+const KIND_WROTE: u8 = 6;
+const KIND_TRUNC: u8 = 7;
+const KIND_BYE: u8 = 8;
+/// Where the address of a Conn or Ack starts.
+const ADDR_AT: usize = 28;
 
 impl Ctrl {
     /// Encodes into `out`, returning the length used.
@@ -228,23 +311,56 @@ impl Ctrl {
             Ctrl::Conn {
                 listener,
                 conn,
+                id,
                 addr,
             } => {
                 out[6] = KIND_CONN;
                 out[8..16].copy_from_slice(&listener.to_le_bytes());
                 out[16..24].copy_from_slice(&conn.to_le_bytes());
-                put_addr(out, 24, addr)
+                out[24..28].copy_from_slice(&id.to_le_bytes());
+                put_addr(out, ADDR_AT, addr)
             }
             Ctrl::Ack {
                 conn,
                 credits,
+                id,
                 addr,
             } => {
                 out[6] = KIND_ACK;
                 out[8..16].copy_from_slice(&conn.to_le_bytes());
                 out[16..20].copy_from_slice(&credits.to_le_bytes());
                 out[20..24].fill(0);
-                put_addr(out, 24, addr)
+                out[24..28].copy_from_slice(&id.to_le_bytes());
+                put_addr(out, ADDR_AT, addr)
+            }
+            Ctrl::Rtr { seq, slot, bufs } => {
+                let n = bufs.len().min(super::MAX_RECVS);
+                out[6] = KIND_RTR;
+                out[7] = n as u8;
+                out[8..12].copy_from_slice(&seq.to_le_bytes());
+                out[12] = *slot;
+                out[13..16].fill(0);
+                for (i, b) in bufs[..n].iter().enumerate() {
+                    let at = RTR_HEAD + i * RTR_BUF;
+                    out[at..at + 4].copy_from_slice(&b.tag.to_le_bytes());
+                    out[at + 4..at + 12].copy_from_slice(&b.size.to_le_bytes());
+                    out[at + 12..at + 20].copy_from_slice(&b.addr.to_le_bytes());
+                    out[at + 20..at + 28].copy_from_slice(&b.key.to_le_bytes());
+                }
+                RTR_HEAD + n * RTR_BUF
+            }
+            Ctrl::Wrote { slot, sub, size } | Ctrl::Trunc { slot, sub, size } => {
+                out[6] = if matches!(self, Ctrl::Wrote { .. }) {
+                    KIND_WROTE
+                } else {
+                    KIND_TRUNC
+                };
+                out[7] = 0;
+                out[8] = *slot;
+                out[9] = *sub;
+                out[10..16].fill(0);
+                out[16..24].copy_from_slice(&size.to_le_bytes());
+                24
             }
             Ctrl::Credit { count } => {
                 out[6] = KIND_CREDIT;
@@ -252,8 +368,12 @@ impl Ctrl {
                 out[8..12].copy_from_slice(&count.to_le_bytes());
                 12
             }
-            Ctrl::Alive => {
-                out[6] = KIND_ALIVE;
+            Ctrl::Alive | Ctrl::Bye => {
+                out[6] = if matches!(self, Ctrl::Alive) {
+                    KIND_ALIVE
+                } else {
+                    KIND_BYE
+                };
                 out[7] = 0;
                 out[8..12].fill(0);
                 12
@@ -280,26 +400,63 @@ impl Ctrl {
             if n == 0 || n > MAX_ADDR {
                 return Err(CtrlError::AddrLen(n));
             }
-            buf.get(24..24 + n)
+            buf.get(ADDR_AT..ADDR_AT + n)
                 .map(<[u8]>::to_vec)
                 .ok_or(CtrlError::Truncated(buf.len()))
         };
+        let u32_at = |i: usize| u32::from_le_bytes(buf[i..i + 4].try_into().expect("4 bytes"));
         match buf[6] {
-            KIND_CONN if buf.len() >= 24 => Ok(Ctrl::Conn {
+            KIND_CONN if buf.len() >= ADDR_AT => Ok(Ctrl::Conn {
                 listener: u64_at(8),
                 conn: u64_at(16),
+                id: u32_at(24),
                 addr: addr()?,
             }),
-            KIND_ACK if buf.len() >= 24 => Ok(Ctrl::Ack {
+            KIND_ACK if buf.len() >= ADDR_AT => Ok(Ctrl::Ack {
                 conn: u64_at(8),
-                credits: u32::from_le_bytes(buf[16..20].try_into().expect("4 bytes")),
+                credits: u32_at(16),
+                id: u32_at(24),
                 addr: addr()?,
             }),
+            KIND_RTR => {
+                let n = usize::from(buf[7]);
+                if n == 0 || n > super::MAX_RECVS {
+                    return Err(CtrlError::RtrCount(n));
+                }
+                if buf.len() < RTR_HEAD + n * RTR_BUF {
+                    return Err(CtrlError::Truncated(buf.len()));
+                }
+                let bufs = (0..n)
+                    .map(|i| {
+                        let at = RTR_HEAD + i * RTR_BUF;
+                        RtrBuf {
+                            tag: u32_at(at) as i32,
+                            size: u64_at(at + 4),
+                            addr: u64_at(at + 12),
+                            key: u64_at(at + 20),
+                        }
+                    })
+                    .collect();
+                Ok(Ctrl::Rtr {
+                    seq: u32_at(8),
+                    slot: buf[12],
+                    bufs,
+                })
+            }
+            KIND_WROTE | KIND_TRUNC if buf.len() >= 24 => {
+                let (slot, sub, size) = (buf[8], buf[9], u64_at(16));
+                Ok(if buf[6] == KIND_WROTE {
+                    Ctrl::Wrote { slot, sub, size }
+                } else {
+                    Ctrl::Trunc { slot, sub, size }
+                })
+            }
             KIND_CREDIT => Ok(Ctrl::Credit {
                 count: u32::from_le_bytes(buf[8..12].try_into().expect("4 bytes")),
             }),
             KIND_ALIVE => Ok(Ctrl::Alive),
-            KIND_CONN | KIND_ACK => Err(CtrlError::Truncated(buf.len())),
+            KIND_BYE => Ok(Ctrl::Bye),
+            KIND_CONN | KIND_ACK | KIND_WROTE | KIND_TRUNC => Err(CtrlError::Truncated(buf.len())),
             k => Err(CtrlError::Kind(k)),
         }
     }
@@ -315,6 +472,8 @@ mod tests {
         ListenHandle {
             nonce: 0x1122_3344_5566_7788,
             addr: vec![2, 0, 0x1f, 0x90, 127, 0, 0, 1],
+            id: 0xabcd,
+            proto: PROTO_RDMA,
         }
         .encode(&mut h)
         .unwrap();
@@ -327,6 +486,7 @@ mod tests {
         let d = ListenHandle::decode(&h).unwrap();
         assert_eq!(d.nonce, 0x1122_3344_5566_7788);
         assert_eq!(d.addr.len(), 8);
+        assert_eq!((d.id, d.proto), (0xabcd, PROTO_RDMA));
         assert_eq!(read_stage(&h), Ok(None));
         write_stage(&mut h, Some(0xdead_beef));
         assert_eq!(read_stage(&h), Ok(Some(0xdead_beef)));
@@ -351,9 +511,15 @@ mod tests {
             ListenHandle::decode(&other),
             Err(HandleError::NotWeft(_))
         ));
-        let mut v2 = handle();
-        v2[4] = 2;
-        assert_eq!(ListenHandle::decode(&v2), Err(HandleError::Version(2)));
+        let mut v1 = handle();
+        v1[4] = 1;
+        assert_eq!(ListenHandle::decode(&v1), Err(HandleError::Version(1)));
+        let mut id = handle();
+        id[ID_OFFSET] ^= 1;
+        assert!(
+            matches!(ListenHandle::decode(&id), Err(HandleError::Check { .. })),
+            "the comm id is covered by the check"
+        );
         let mut bad_len = handle();
         bad_len[6] = 200;
         assert_eq!(
@@ -382,6 +548,8 @@ mod tests {
         ListenHandle {
             nonce: 9,
             addr: Vec::new(),
+            id: 0,
+            proto: PROTO_SENDRECV,
         }
         .encode(&mut h)
         .unwrap();
@@ -390,11 +558,13 @@ mod tests {
             Ctrl::Conn {
                 listener: 1,
                 conn: 2,
+                id: 0,
                 addr: Vec::new(),
             },
             Ctrl::Ack {
                 conn: 2,
                 credits: 3,
+                id: 0,
                 addr: Vec::new(),
             },
         ] {
@@ -411,15 +581,40 @@ mod tests {
             Ctrl::Conn {
                 listener: 1,
                 conn: 2,
+                id: 77,
                 addr: vec![9; 16],
             },
             Ctrl::Ack {
                 conn: 2,
                 credits: 256,
+                id: 78,
                 addr: vec![7; 40],
             },
             Ctrl::Credit { count: 64 },
             Ctrl::Alive,
+            Ctrl::Bye,
+            Ctrl::Rtr {
+                seq: 7,
+                slot: 31,
+                bufs: (0..super::super::MAX_RECVS as u64)
+                    .map(|i| RtrBuf {
+                        tag: -(i as i32),
+                        size: 1 << (i * 4),
+                        addr: 0x7f00_0000_0000 + i,
+                        key: u64::MAX - i,
+                    })
+                    .collect(),
+            },
+            Ctrl::Wrote {
+                slot: 3,
+                sub: 7,
+                size: 1 << 40,
+            },
+            Ctrl::Trunc {
+                slot: 4,
+                sub: 0,
+                size: 9,
+            },
         ] {
             let n = m.encode(&mut b);
             assert_eq!(Ctrl::decode(&b[..n]).unwrap(), m);
@@ -430,7 +625,7 @@ mod tests {
         /// Any bytes: decoding never panics, and truncating a valid message
         /// never yields a different valid one.
         #[test]
-        fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..160)) {
+        fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..CTRL_MAX)) {
             let _ = Ctrl::decode(&bytes);
             let mut h = [0u8; HANDLE_SIZE];
             let n = bytes.len().min(HANDLE_SIZE);
@@ -440,9 +635,9 @@ mod tests {
         }
 
         #[test]
-        fn truncated_conn_is_refused(cut in 0usize..40) {
+        fn truncated_conn_is_refused(cut in 0usize..44) {
             let mut b = [0u8; CTRL_MAX];
-            let n = Ctrl::Conn { listener: 5, conn: 6, addr: vec![1; 16] }.encode(&mut b);
+            let n = Ctrl::Conn { listener: 5, conn: 6, id: 1, addr: vec![1; 16] }.encode(&mut b);
             prop_assume!(cut < n);
             prop_assert!(Ctrl::decode(&b[..cut]).is_err());
         }

@@ -112,7 +112,7 @@ fn half_connect(provider: &str, handle: &[u8; 128]) -> Result<Box<dyn std::any::
             mr.desc(),
             libfabric_sys::FI_ADDR_UNSPEC,
             CTRL_TAG,
-            0,
+            0xFFFF_FFFF, // any comm id: the Ack names the id given below
             std::ptr::null_mut(),
         )
     }
@@ -121,6 +121,7 @@ fn half_connect(provider: &str, handle: &[u8; 128]) -> Result<Box<dyn std::any::
     let n = Ctrl::Conn {
         listener: h.nonce,
         conn: 42,
+        id: 1,
         addr: ep.name().map_err(e)?,
     }
     .encode(&mut msg);
@@ -128,7 +129,7 @@ fn half_connect(provider: &str, handle: &[u8; 128]) -> Result<Box<dyn std::any::
     let mut sent = false;
     weft_tests::poll_until("the listener's Ack", || {
         if !sent {
-            match ep.tinject(&msg[..n], listener, CTRL_TAG) {
+            match ep.tinject(&msg[..n], listener, CTRL_TAG | u64::from(h.id)) {
                 Ok(()) => sent = true,
                 Err(err) if err.is_again() => {}
                 Err(err) => panic!("half-connect: {err}"),

@@ -1,17 +1,18 @@
 //! The resource curve: what connected comm pairs cost a process.
 //!
 //! ```text
-//! weft-resources [--providers tcp,shm] [--pairs 1,64,512,1024] [--max-rss-mb 4096]
+//! weft-resources [--providers tcp,shm] [--protocols rdma,sendrecv] [--pairs 1,64,512,1024] [--max-rss-mb 4096]
 //! ```
 //!
-//! For each provider (each in a process of its own, since the plugin's
-//! configuration is per process), opens connected send/receive comm pairs
+//! For each provider and protocol (each in a process of its own, since the
+//! plugin's configuration is per process), opens connected send/receive comm pairs
 //! on device 0 through the core, as NCCL does (listen, connect, accept,
 //! closeListen), growing to each count in `--pairs`, and prints the open
 //! endpoints, file descriptors and resident memory, in total and per pair.
-//! It stops growing once resident memory passes `--max-rss-mb` (today every
-//! comm has an endpoint of its own, and a tcp;ofi_rxm endpoint holds tens of
-//! MB at rxm's default queue sizes) and says so. No speed is measured.
+//! It stops growing once resident memory passes `--max-rss-mb` (under
+//! sendrecv every comm has an endpoint of its own, and a tcp;ofi_rxm endpoint
+//! holds tens of MB at rxm's default queue sizes; rdma's comms share their
+//! device's two endpoints) and says so. No speed is measured.
 
 use std::process::{Command, ExitCode};
 
@@ -23,17 +24,25 @@ fn open_fds() -> usize {
 }
 
 /// Runs one provider's curve in this process.
-fn curve(provider: &str, counts: &[usize], max_rss_mb: u64) -> Result<(), String> {
+fn curve(provider: &str, protocol: &str, counts: &[usize], max_rss_mb: u64) -> Result<(), String> {
+    std::env::set_var("WEFT_PROTOCOL", protocol);
     let ctx = host::init(provider);
     let (fds0, rss0) = (open_fds(), status_kb("VmRSS"));
     let eps0 = weft::fabric::local::open_endpoints();
     println!(
-        "{provider}: baseline after init: {eps0} endpoints, {fds0} fds, {} MB resident",
+        "{provider} {protocol}: baseline after init: {eps0} endpoints, {fds0} fds, {} MB resident",
         rss0 / 1024
     );
     println!(
-        "{:<10} {:>6} {:>10} {:>8} {:>10} {:>14} {:>14}",
-        "provider", "pairs", "endpoints", "fds", "RSS MB", "MB per pair", "fds per pair"
+        "{:<10} {:<9} {:>6} {:>10} {:>8} {:>10} {:>14} {:>14}",
+        "provider",
+        "protocol",
+        "pairs",
+        "endpoints",
+        "fds",
+        "RSS MB",
+        "MB per pair",
+        "fds per pair"
     );
     let mut pairs = Vec::new();
     for &target in counts {
@@ -51,7 +60,7 @@ fn curve(provider: &str, counts: &[usize], max_rss_mb: u64) -> Result<(), String
         let (fds, rss) = (open_fds(), status_kb("VmRSS"));
         let eps = weft::fabric::local::open_endpoints();
         println!(
-            "{provider:<10} {n:>6} {:>10} {fds:>8} {:>10} {:>14.2} {:>14.2}",
+            "{provider:<10} {protocol:<9} {n:>6} {:>10} {fds:>8} {:>10} {:>14.2} {:>14.2}",
             eps - eps0,
             rss / 1024,
             (rss.saturating_sub(rss0)) as f64 / 1024.0 / n as f64,
@@ -73,24 +82,31 @@ fn list(v: &str) -> Vec<String> {
 
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
-    let (mut providers, mut counts, mut max_rss_mb, mut one) =
-        (list("tcp,shm"), vec![1, 64, 512, 1024], 4096u64, None);
+    let (mut providers, mut protocols, mut counts, mut max_rss_mb, mut one) = (
+        list("tcp,shm"),
+        list("rdma,sendrecv"),
+        vec![1, 64, 512, 1024],
+        4096u64,
+        None,
+    );
     while let Some(a) = args.next() {
         let mut val = || args.next().unwrap_or_default();
         match a.as_str() {
             "--providers" => providers = list(&val()),
+            "--protocols" => protocols = list(&val()),
             "--pairs" => counts = list(&val()).iter().filter_map(|c| c.parse().ok()).collect(),
             "--max-rss-mb" => max_rss_mb = val().parse().unwrap_or(max_rss_mb),
             "--one" => one = Some(val()),
             _ => {
-                eprintln!("usage: weft-resources [--providers tcp,shm] [--pairs 1,64,512,1024] [--max-rss-mb 4096]");
+                eprintln!("usage: weft-resources [--providers tcp,shm] [--protocols rdma,sendrecv] [--pairs 1,64,512,1024] [--max-rss-mb 4096]");
                 return ExitCode::from(2);
             }
         }
     }
     counts.sort_unstable();
     if let Some(p) = one {
-        return match curve(&p, &counts, max_rss_mb) {
+        let (p, proto) = p.split_once(':').unwrap_or((&p, "auto"));
+        return match curve(p, proto, &counts, max_rss_mb) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("weft-resources: {e}");
@@ -105,11 +121,14 @@ fn main() -> ExitCode {
         .join(",");
     let exe = std::env::current_exe().expect("current_exe");
     let mut ok = true;
-    for p in providers {
+    for (p, proto) in providers
+        .iter()
+        .flat_map(|p| protocols.iter().map(move |q| (p, q)))
+    {
         let status = Command::new(&exe)
             .args([
                 "--one",
-                &p,
+                &format!("{p}:{proto}"),
                 "--pairs",
                 &counts_arg,
                 "--max-rss-mb",

@@ -31,10 +31,12 @@ impl ListenComm {
     /// Opens a listener on `dev` and returns it with its handle.
     pub fn open(dev: Arc<DeviceState>) -> Result<(Self, ListenHandle)> {
         let ep = open_endpoint(&dev)?;
-        let ctrl = CtrlBufs::new(&dev, &ep)?;
+        let ctrl = CtrlBufs::new(&dev, &ep, CTRL_POSTED, false)?;
         let handle = ListenHandle {
             nonce: nonce(),
             addr: ep.name()?,
+            id: 0,
+            proto: super::super::wire::PROTO_SENDRECV,
         };
         Ok((
             Self {
@@ -62,7 +64,12 @@ impl ListenComm {
         st.ctrl.repost(&st.ep, i)?;
         let dev = self.dev.index;
         match msg {
-            Ok(Ctrl::Conn { listener, conn, addr }) if listener == self.nonce => {
+            Ok(Ctrl::Conn {
+                listener,
+                conn,
+                addr,
+                ..
+            }) if listener == self.nonce => {
                 if st.book.knows(conn) {
                     tracing::debug!("listener on device {dev}: ignored a repeated Conn");
                     return Ok(());
@@ -87,7 +94,12 @@ impl ListenComm {
                 let evicted = st.book.admit(Pending {
                     comm,
                     conn,
-                    ack: Some(Ctrl::Ack { conn, credits: CREDITS, addr: name }),
+                    ack: Some(Ctrl::Ack {
+                        conn,
+                        credits: CREDITS,
+                        id: 0,
+                        addr: name,
+                    }),
                     deadline: Instant::now() + self.dev.peer_timeout,
                 });
                 if evicted.is_some() {

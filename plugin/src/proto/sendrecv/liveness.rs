@@ -1,57 +1,7 @@
-//! Liveness: a comm's view of its peer, heartbeats from the keeper thread,
-//! and declaring a silent or broken peer dead.
+//! Liveness: heartbeats from the keeper thread, and declaring a silent or
+//! broken peer dead.
 
 use super::*;
-
-/// A comm's view of its peer: where it is and whether it still answers.
-pub(super) struct Link {
-    /// The peer.
-    pub(super) peer: Peer,
-    /// The peer's address in words, for log lines and errors.
-    pub(super) name: String,
-    /// Something arrived from the peer since the keeper last looked (set on
-    /// the data path, where reading the clock would cost).
-    pub(super) heard: bool,
-    /// When the keeper last saw `heard` (or the link was made).
-    pub(super) last_heard: Instant,
-    /// When this end last sent `Alive` (None: due now).
-    pub(super) last_said: Option<Instant>,
-    /// Why the peer was declared dead.
-    pub(super) dead: Option<String>,
-}
-
-impl Link {
-    pub(super) fn new() -> Self {
-        Self {
-            peer: Peer::NONE,
-            name: "(not connected)".to_owned(),
-            heard: false,
-            last_heard: Instant::now(),
-            last_said: None,
-            dead: None,
-        }
-    }
-
-    /// Records the peer's endpoint name; its life is counted from now.
-    pub(super) fn connect(
-        &mut self,
-        ep: &Endpoint,
-        name: &[u8],
-    ) -> std::result::Result<(), FiError> {
-        self.peer = Peer::insert(ep, name)?;
-        self.name = ep.av().straddr(name);
-        self.last_heard = Instant::now();
-        Ok(())
-    }
-
-    /// An error if the peer was declared dead.
-    pub(super) fn check(&self) -> Result<()> {
-        match &self.dead {
-            Some(why) => Err(Error::remote(why.clone())),
-            None => Ok(()),
-        }
-    }
-}
 
 /// The parts of a connected comm's state the liveness logic needs.
 pub(super) trait Side {
@@ -99,12 +49,7 @@ pub(super) fn die<S: Side>(st: &mut S, why: String) {
         r.remaining = 0;
         failed += 1;
     }
-    tracing::warn!(
-        "{} {}: {why}; {failed} request(s) in flight failed, and the comm takes no new ones. \
-         Check that process (its log, the OOM killer, the node); raise WEFT_PEER_TIMEOUT if it was only slow",
-        S::WHAT,
-        link.name
-    );
+    warn_dead(S::WHAT, &link.name, &why, failed);
     link.dead = Some(why);
 }
 
@@ -120,10 +65,7 @@ pub(super) fn keepalive<S: Side>(st: &mut S, timeout: Duration, now: Instant) {
     if link.dead.is_some() {
         return;
     }
-    if link
-        .last_said
-        .is_none_or(|t| now.saturating_duration_since(t) >= period)
-    {
+    if link.alive_due(now, period) {
         match send_ctrl(ep, &link.peer, &Ctrl::Alive) {
             Ok(()) => link.last_said = Some(now),
             Err(e) if e.is_again() => {}
@@ -139,19 +81,9 @@ pub(super) fn keepalive<S: Side>(st: &mut S, timeout: Duration, now: Instant) {
         return die(st, format!("progress failed: {e}"));
     }
     let (_, _, link) = st.parts();
-    if std::mem::take(&mut link.heard) {
-        link.last_heard = now;
-    }
-    let silent = now.saturating_duration_since(link.last_heard);
+    let silent = link.silence(now);
     if silent + period >= timeout {
-        die(
-            st,
-            format!(
-                "peer silent for {:.1} s (WEFT_PEER_TIMEOUT = {:.1} s): its process died, hangs, or the network is down",
-                silent.as_secs_f64(),
-                timeout.as_secs_f64()
-            ),
-        );
+        die(st, silent_peer(silent, timeout));
     }
 }
 

@@ -48,40 +48,32 @@ use std::time::{Duration, Instant};
 
 use libfabric_sys as fi;
 
+use super::ctrl::{send_ctrl, silent_peer, warn_dead, CtrlBufs, Link, Peer};
+use super::handshake::{self, Connecting, Handshakes, Phase, Step};
 use super::pool::{Pool, SLOT_ALIGN};
-use super::wire::{Ctrl, ListenHandle, CTRL_MAX};
+use super::wire::{Ctrl, ListenHandle};
 use super::{
     heartbeat_period, Comm, DeviceState, Done, Listener, Protocol, Receiver, RecvBuf, ReqId,
-    Sender, MAX_RECVS, MAX_REQUESTS,
+    Sender, MAX_PENDING, MAX_RECVS, MAX_REQUESTS,
 };
 use crate::error::{Error, Result};
-use crate::fabric::local::{self, LocalEp, Locality};
-use crate::fabric::DomainRegistrar;
-use crate::fabric::{Completion, CompletionError, Cq, CqError, Endpoint, FiAddr, FiError};
-use crate::freelist::{Elem, Freelist, HostPages, Params};
+use crate::fabric::{Completion, CompletionError, Endpoint};
 
-mod cq;
-mod ctrl;
-mod handshake;
 mod listen;
 mod liveness;
 mod recv;
 mod request;
 mod send;
 
-use cq::*;
-use ctrl::*;
-use handshake::{Connecting, Handshakes, Phase, Step};
+use super::cq::{drain, Event};
 use liveness::*;
 use request::*;
 
-pub use handshake::MAX_PENDING;
 pub use listen::ListenComm;
 pub use recv::RecvComm;
 pub use send::SendComm;
 
-/// Tag bit reserved for control messages.
-pub const CTRL_TAG: u64 = 1 << 63;
+pub use super::ctrl::CTRL_TAG;
 /// Credits are returned once this many are owed.
 pub const CREDIT_BATCH: u32 = 64;
 /// Messages a sender may have unmatched at the receiver: NCCL's most in
@@ -90,8 +82,6 @@ pub const CREDIT_BATCH: u32 = 64;
 pub const CREDITS: u32 = (MAX_REQUESTS * MAX_RECVS) as u32 + CREDIT_BATCH;
 /// Control receives kept posted per endpoint.
 const CTRL_POSTED: usize = 4;
-/// Completions read per `fi_cq_read`.
-const CQ_BATCH: usize = 16;
 /// `ReqErr::fi_err` of requests failed because their peer died.
 const PEER_DEAD: u32 = 0;
 /// How often a comm's lock is tried before the keeper skips it for a tick.
@@ -104,6 +94,9 @@ pub struct SendRecv;
 impl Protocol for SendRecv {
     fn name(&self) -> &'static str {
         "sendrecv"
+    }
+    fn wire_id(&self) -> u8 {
+        super::wire::PROTO_SENDRECV
     }
     fn listen(&self, dev: Arc<DeviceState>) -> Result<(Arc<dyn Listener>, ListenHandle)> {
         let (l, h) = ListenComm::open(dev)?;

@@ -29,7 +29,7 @@ impl std::fmt::Debug for RecvComm {
 impl RecvComm {
     pub(super) fn open(dev: Arc<DeviceState>) -> Result<Self> {
         let ep = open_endpoint(&dev)?;
-        let ctrl = CtrlBufs::new(&dev, &ep)?;
+        let ctrl = CtrlBufs::new(&dev, &ep, CTRL_POSTED, false)?;
         let reqs = Pool::new(MAX_REQUESTS).map_err(|e| Error::system(e.to_string()))?;
         Ok(Self {
             dev,

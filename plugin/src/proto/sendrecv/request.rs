@@ -35,6 +35,8 @@ pub(super) const NO_BUF: RecvBuf = RecvBuf {
     size: 0,
     tag: 0,
     desc: std::ptr::null_mut(),
+    key: 0,
+    base: 0,
     phandle: std::ptr::null_mut(),
 };
 

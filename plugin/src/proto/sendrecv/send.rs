@@ -38,7 +38,7 @@ impl SendComm {
     /// Starts connecting to the listener named by `handle`.
     pub fn start(dev: Arc<DeviceState>, handle: &ListenHandle, traffic_class: i32) -> Result<Self> {
         let ep = open_endpoint(&dev)?;
-        let ctrl = CtrlBufs::new(&dev, &ep)?;
+        let ctrl = CtrlBufs::new(&dev, &ep, CTRL_POSTED, false)?;
         let listener = Peer::insert(&ep, &handle.addr).map_err(|e| {
             if e.code == fi::FI_ENOTCONN {
                 Error::remote(format!("connect: the listener is gone: {e}"))
@@ -86,6 +86,7 @@ impl Sender for SendComm {
             let msg = Ctrl::Conn {
                 listener: st.listener_nonce,
                 conn: st.connect.conn(),
+                id: 0,
                 addr: st.ep.name()?,
             };
             match send_ctrl(&st.ep, &st.listener, &msg) {
@@ -150,6 +151,8 @@ impl Sender for SendComm {
             size,
             tag,
             desc,
+            key: 0,
+            base: 0,
             phandle,
         };
         let inject = size <= st.eager;
@@ -262,6 +265,7 @@ impl SendState {
                 conn,
                 credits,
                 addr,
+                ..
             }) if self.connect.takes_ack(conn) => {
                 if let Err(e) = self.link.connect(&self.ep, &addr) {
                     tracing::warn!("send comm: ignored an Ack with an unusable address: {e}");

@@ -1,9 +1,13 @@
 //! Reading a completion queue: whole batches, the first error after.
 
-use super::*;
+use crate::error::Result;
+use crate::fabric::{Completion, CompletionError, Cq, CqError};
+
+/// Completions read per `fi_cq_read`.
+pub(crate) const CQ_BATCH: usize = 16;
 
 /// One entry of a completion queue.
-pub(super) enum Event<'a> {
+pub(crate) enum Event<'a> {
     /// An operation finished.
     Done(&'a Completion),
     /// An operation failed.
@@ -11,7 +15,7 @@ pub(super) enum Event<'a> {
 }
 
 /// What [`drain`] reads: a CQ (or, in tests, a scripted queue).
-pub(super) trait CqSource {
+pub(crate) trait CqSource {
     fn read(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError>;
 }
 
@@ -27,7 +31,7 @@ impl CqSource for Cq {
 /// emptied the queue, so it is the last. Every completion read is applied
 /// even when one of them fails (a completion read is gone from the queue);
 /// the first error is returned after the batch.
-pub(super) fn drain(
+pub(crate) fn drain(
     cq: &(impl CqSource + ?Sized),
     mut on: impl FnMut(Event<'_>) -> Result<()>,
 ) -> Result<()> {
@@ -62,7 +66,10 @@ pub(super) fn drain(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use std::cell::RefCell;
+    use std::collections::VecDeque;
+    use std::ffi::c_void;
 
     /// Hands out a scripted sequence of reads.
     struct Script(RefCell<VecDeque<std::result::Result<Vec<usize>, CqError>>>);

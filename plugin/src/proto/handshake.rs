@@ -2,7 +2,7 @@
 //! style). The listener's book: which `Conn`s it takes, ignores or evicts,
 //! what it remembers of accepted ones, and when `accept` reports a failure.
 //! The connecting side: when its `Conn` is due (again), which `Ack` it takes,
-//! and when it gives up. [`super::listen`] and [`super::send`] drive them
+//! and when it gives up. each protocol's listen and send comms drive them
 //! with real comms and messages; the tests below with plain values.
 
 use std::collections::VecDeque;
@@ -17,21 +17,21 @@ use std::time::{Duration, Instant};
 pub const MAX_PENDING: usize = 4;
 /// Connection nonces a listener remembers as accepted (a late repeat of their
 /// `Conn` is ignored).
-pub(super) const ACCEPTED_MEMORY: usize = 16;
+pub(crate) const ACCEPTED_MEMORY: usize = 16;
 
 /// One handshake in progress: the comm being set up for it (`T`), the
 /// connecting side's nonce, its Ack until sent (`A`), and its deadline.
 #[derive(Debug)]
-pub(super) struct Pending<T, A> {
-    pub(super) comm: T,
-    pub(super) conn: u64,
-    pub(super) ack: Option<A>,
-    pub(super) deadline: Instant,
+pub(crate) struct Pending<T, A> {
+    pub(crate) comm: T,
+    pub(crate) conn: u64,
+    pub(crate) ack: Option<A>,
+    pub(crate) deadline: Instant,
 }
 
 /// What became of a pending handshake after one step.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum Step {
+pub(crate) enum Step {
     /// Still waiting.
     Waiting,
     /// The peer confirmed: hand the comm to NCCL.
@@ -42,7 +42,7 @@ pub(super) enum Step {
 
 /// The book.
 #[derive(Debug)]
-pub(super) struct Handshakes<T, A> {
+pub(crate) struct Handshakes<T, A> {
     /// Oldest first.
     pending: Vec<Pending<T, A>>,
     /// Recently accepted connection nonces, oldest first.
@@ -64,17 +64,17 @@ impl<T, A> Default for Handshakes<T, A> {
 impl<T, A> Handshakes<T, A> {
     /// Whether a `Conn` with this nonce is already pending or was accepted
     /// (a repeat, to be ignored).
-    pub(super) fn knows(&self, conn: u64) -> bool {
+    pub(crate) fn knows(&self, conn: u64) -> bool {
         self.pending.iter().any(|p| p.conn == conn) || self.accepted.contains(&conn)
     }
 
     /// Whether taking one more would evict the oldest.
-    pub(super) fn full(&self) -> bool {
+    pub(crate) fn full(&self) -> bool {
         self.pending.len() >= MAX_PENDING
     }
 
     /// Takes a new handshake; returns the oldest one if it had to make room.
-    pub(super) fn admit(&mut self, p: Pending<T, A>) -> Option<Pending<T, A>> {
+    pub(crate) fn admit(&mut self, p: Pending<T, A>) -> Option<Pending<T, A>> {
         let evicted = self.full().then(|| self.pending.remove(0));
         self.pending.push(p);
         evicted
@@ -85,7 +85,7 @@ impl<T, A> Handshakes<T, A> {
     /// through `on_fail`) while the others go on. `Err` only when one failed
     /// and nothing else is pending: NCCL connects one peer per listener, so
     /// that peer died.
-    pub(super) fn step_all(
+    pub(crate) fn step_all(
         &mut self,
         mut step: impl FnMut(&mut Pending<T, A>) -> Step,
         mut on_fail: impl FnMut(&str),
@@ -118,7 +118,7 @@ impl<T, A> Handshakes<T, A> {
 
 /// Where a connecting side is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Phase {
+pub(crate) enum Phase {
     /// `Conn` not sent yet.
     SendConn,
     /// `Conn` sent; waiting for the listener's `Ack`.
@@ -129,7 +129,7 @@ pub(super) enum Phase {
 
 /// The connecting side's handshake.
 #[derive(Debug)]
-pub(super) struct Connecting {
+pub(crate) struct Connecting {
     phase: Phase,
     /// Our nonce; the `Ack` must echo it.
     conn: u64,
@@ -143,7 +143,7 @@ pub(super) struct Connecting {
 impl Connecting {
     /// A handshake with nonce `conn`, started at `now`, repeating `Conn`
     /// every `resend` and giving up after `timeout`.
-    pub(super) fn new(conn: u64, now: Instant, resend: Duration, timeout: Duration) -> Self {
+    pub(crate) fn new(conn: u64, now: Instant, resend: Duration, timeout: Duration) -> Self {
         Self {
             phase: Phase::SendConn,
             conn,
@@ -153,15 +153,15 @@ impl Connecting {
         }
     }
     /// Our nonce.
-    pub(super) fn conn(&self) -> u64 {
+    pub(crate) fn conn(&self) -> u64 {
         self.conn
     }
     /// The phase.
-    pub(super) fn phase(&self) -> Phase {
+    pub(crate) fn phase(&self) -> Phase {
         self.phase
     }
     /// Whether `Conn` should be sent now (first time, or again).
-    pub(super) fn conn_due(&self, now: Instant) -> bool {
+    pub(crate) fn conn_due(&self, now: Instant) -> bool {
         match self.phase {
             Phase::SendConn => true,
             Phase::AwaitAck => self
@@ -171,7 +171,7 @@ impl Connecting {
         }
     }
     /// `Conn` went out at `now`.
-    pub(super) fn conn_sent(&mut self, now: Instant) {
+    pub(crate) fn conn_sent(&mut self, now: Instant) {
         if self.phase != Phase::Ready {
             self.phase = Phase::AwaitAck;
             self.conn_sent = Some(now);
@@ -179,15 +179,15 @@ impl Connecting {
     }
     /// Whether an `Ack` echoing `conn` is the one awaited (else it is
     /// ignored: a stray, a repeat, or forged).
-    pub(super) fn takes_ack(&self, conn: u64) -> bool {
+    pub(crate) fn takes_ack(&self, conn: u64) -> bool {
         self.phase == Phase::AwaitAck && conn == self.conn
     }
     /// The awaited `Ack` was taken: connected.
-    pub(super) fn connected(&mut self) {
+    pub(crate) fn connected(&mut self) {
         self.phase = Phase::Ready;
     }
     /// Whether it is past its deadline without being connected.
-    pub(super) fn expired(&self, now: Instant) -> bool {
+    pub(crate) fn expired(&self, now: Instant) -> bool {
         self.phase != Phase::Ready && now > self.deadline
     }
 }

@@ -1,0 +1,287 @@
+//! The control channel every protocol shares: registered buffers kept
+//! posted for control messages, the peers they go to (guarding peers in this
+//! process), a comm's view of its peer, and injecting a message.
+//!
+//! Control messages are tagged messages with [`CTRL_TAG`] set, which data
+//! tags never set. The low 32 bits name the comm the message is for, on an
+//! endpoint shared by many comms (0 where an endpoint has one comm).
+
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::Instant;
+
+use libfabric_sys as fi;
+
+use super::pool::SLOT_ALIGN;
+use super::wire::{Ctrl, CTRL_MAX};
+use super::DeviceState;
+use crate::error::{Error, Result};
+use crate::fabric::local::{self, LocalEp, Locality};
+use crate::fabric::{DomainRegistrar, Endpoint, FiAddr, FiError};
+use crate::freelist::{Elem, Freelist, HostPages, Params};
+
+/// Tag bit reserved for control messages.
+pub const CTRL_TAG: u64 = 1 << 63;
+/// The bits of a control tag that name the comm it is for.
+pub const CTRL_ID_MASK: u64 = 0xFFFF_FFFF;
+
+/// Registered buffers kept posted for control messages.
+pub(crate) struct CtrlBufs {
+    pub(crate) list: Freelist<HostPages, DomainRegistrar>,
+    pub(crate) posted: Vec<Elem>,
+    /// Buffers the provider refused to take back for now (FI_EAGAIN),
+    /// reposted at the next progress.
+    pub(crate) unposted: Vec<usize>,
+    /// Tag bits the posted receives ignore (the comm id, on a shared endpoint).
+    ignore: u64,
+}
+
+impl CtrlBufs {
+    /// Posts `count` buffers on `ep` that take control messages for any
+    /// comm id (`any_id`) or only for id 0.
+    pub(crate) fn new(
+        dev: &DeviceState,
+        ep: &Endpoint,
+        count: usize,
+        any_id: bool,
+    ) -> Result<Self> {
+        let mut list = Freelist::new(
+            HostPages,
+            DomainRegistrar(Arc::clone(&dev.domain)),
+            Params {
+                elem_size: CTRL_MAX,
+                align: SLOT_ALIGN,
+                elems_per_block: count,
+                max_elems: count,
+            },
+        )
+        .map_err(|e| Error::system(e.to_string()))?;
+        let mut posted = Vec::with_capacity(count);
+        for _ in 0..count {
+            posted.push(list.alloc().map_err(|e| Error::system(e.to_string()))?);
+        }
+        let mut me = Self {
+            list,
+            posted,
+            unposted: Vec::new(),
+            ignore: if any_id { CTRL_ID_MASK } else { 0 },
+        };
+        for i in 0..count {
+            me.repost(ep, i)?;
+        }
+        Ok(me)
+    }
+
+    /// Posts buffer `i` again; when the provider says "not now" it is kept
+    /// for [`CtrlBufs::repost_waiting`] (a retryable condition is no error).
+    pub(crate) fn repost(&mut self, ep: &Endpoint, i: usize) -> Result<()> {
+        match self.post(ep, i) {
+            Err(e) if e.is_again() => {
+                self.unposted.push(i);
+                Ok(())
+            }
+            r => r.map_err(Error::from),
+        }
+    }
+
+    /// Retries the buffers that could not be posted yet.
+    pub(crate) fn repost_waiting(&mut self, ep: &Endpoint) -> Result<()> {
+        for i in std::mem::take(&mut self.unposted) {
+            self.repost(ep, i)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn post(&self, ep: &Endpoint, i: usize) -> std::result::Result<(), FiError> {
+        let e = &self.posted[i];
+        let desc = e.mr.map_or(std::ptr::null_mut(), |m| m.desc);
+        // SAFETY: the buffer is CTRL_MAX bytes of registered memory owned by
+        // this list, which outlives the endpoint (fields drop ep first); the
+        // context is the buffer's own address.
+        unsafe {
+            ep.trecv(
+                e.ptr.as_ptr(),
+                CTRL_MAX,
+                desc,
+                fi::FI_ADDR_UNSPEC,
+                CTRL_TAG,
+                self.ignore,
+                e.ptr.as_ptr().cast(),
+            )
+        }
+    }
+
+    /// Which posted buffer a completion context names.
+    pub(crate) fn find(&self, ctx: *mut c_void) -> Option<usize> {
+        self.posted
+            .iter()
+            .position(|e| e.ptr.as_ptr().cast() == ctx)
+    }
+
+    pub(crate) fn bytes(&self, i: usize, len: usize) -> &[u8] {
+        // SAFETY: the buffer is CTRL_MAX bytes; the provider finished writing
+        // `len` of them when it reported the completion.
+        unsafe { std::slice::from_raw_parts(self.posted[i].ptr.as_ptr(), len.min(CTRL_MAX)) }
+    }
+}
+
+impl Drop for CtrlBufs {
+    fn drop(&mut self) {
+        for e in self.posted.drain(..) {
+            self.list.free(e);
+        }
+    }
+}
+
+/// A peer endpoint: its address in a comm's AV and, when it lives in this
+/// process, its record there (see [`crate::fabric::local`]).
+pub(crate) struct Peer {
+    pub(crate) addr: FiAddr,
+    pub(crate) local: Option<Arc<LocalEp>>,
+}
+
+impl Peer {
+    pub(crate) const NONE: Peer = Peer {
+        addr: fi::FI_ADDR_NOTAVAIL,
+        local: None,
+    };
+
+    /// Inserts a peer's endpoint name into `ep`'s AV. The name was checked
+    /// against the domain's address format by the AV; an endpoint of this
+    /// process that is already closed is refused.
+    pub(crate) fn insert(ep: &Endpoint, name: &[u8]) -> std::result::Result<Self, FiError> {
+        let local = match local::locate(name) {
+            Locality::Closed => return Err(closed_peer("fi_av_insert")),
+            Locality::Local(l) => Some(l),
+            Locality::Remote => None,
+        };
+        Ok(Self {
+            addr: ep.av().insert(name)?,
+            local,
+        })
+    }
+
+    /// Runs a send to this peer. A peer in this process is kept open while
+    /// it runs; a closed one is an error, never a send (shm crashes on those).
+    pub(crate) fn send(
+        &self,
+        call: &'static str,
+        f: impl FnOnce(FiAddr) -> std::result::Result<(), FiError>,
+    ) -> std::result::Result<(), FiError> {
+        match &self.local {
+            None => f(self.addr),
+            Some(l) => {
+                let _open = l.open_guard().ok_or_else(|| closed_peer(call))?;
+                f(self.addr)
+            }
+        }
+    }
+}
+
+pub(crate) fn closed_peer(call: &'static str) -> FiError {
+    FiError {
+        call,
+        code: fi::FI_ENOTCONN,
+        text: "the peer endpoint, in this same process, was closed".to_owned(),
+    }
+}
+
+/// Injects a control message to comm `id` at peer `to`.
+pub(crate) fn send_ctrl_to(
+    ep: &Endpoint,
+    to: &Peer,
+    id: u32,
+    msg: &Ctrl,
+) -> std::result::Result<(), FiError> {
+    let mut b = [0u8; CTRL_MAX];
+    let n = msg.encode(&mut b);
+    to.send("fi_tinject", |a| {
+        ep.tinject(&b[..n], a, CTRL_TAG | u64::from(id))
+    })
+}
+
+/// Injects a control message to the one comm of peer endpoint `to`.
+pub(crate) fn send_ctrl(ep: &Endpoint, to: &Peer, msg: &Ctrl) -> std::result::Result<(), FiError> {
+    send_ctrl_to(ep, to, 0, msg)
+}
+
+/// A comm's view of its peer: where it is and whether it still answers.
+pub(crate) struct Link {
+    /// The peer.
+    pub(crate) peer: Peer,
+    /// The peer's address in words, for log lines and errors.
+    pub(crate) name: String,
+    /// Something arrived from the peer since the keeper last looked (set on
+    /// the data path, where reading the clock would cost).
+    pub(crate) heard: bool,
+    /// When the keeper last saw `heard` (or the link was made).
+    pub(crate) last_heard: Instant,
+    /// When this end last sent `Alive` (None: due now).
+    pub(crate) last_said: Option<Instant>,
+    /// Why the peer was declared dead.
+    pub(crate) dead: Option<String>,
+}
+
+impl Link {
+    pub(crate) fn new() -> Self {
+        Self {
+            peer: Peer::NONE,
+            name: "(not connected)".to_owned(),
+            heard: false,
+            last_heard: Instant::now(),
+            last_said: None,
+            dead: None,
+        }
+    }
+
+    /// Records the peer's endpoint name; its life is counted from now.
+    pub(crate) fn connect(
+        &mut self,
+        ep: &Endpoint,
+        name: &[u8],
+    ) -> std::result::Result<(), FiError> {
+        self.peer = Peer::insert(ep, name)?;
+        self.name = ep.av().straddr(name);
+        self.last_heard = Instant::now();
+        Ok(())
+    }
+
+    /// An error if the peer was declared dead.
+    pub(crate) fn check(&self) -> Result<()> {
+        match &self.dead {
+            Some(why) => Err(Error::remote(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether `Alive` is due at `now`, one heartbeat `period` after the last.
+    pub(crate) fn alive_due(&self, now: Instant, period: std::time::Duration) -> bool {
+        self.last_said
+            .is_none_or(|t| now.saturating_duration_since(t) >= period)
+    }
+
+    /// The keeper's look at the link: how long the peer has been silent.
+    pub(crate) fn silence(&mut self, now: Instant) -> std::time::Duration {
+        if std::mem::take(&mut self.heard) {
+            self.last_heard = now;
+        }
+        now.saturating_duration_since(self.last_heard)
+    }
+}
+
+/// Why a peer silent for `silent` is declared dead.
+pub(crate) fn silent_peer(silent: std::time::Duration, timeout: std::time::Duration) -> String {
+    format!(
+        "peer silent for {:.1} s (WEFT_PEER_TIMEOUT = {:.1} s): its process died, hangs, or the network is down",
+        silent.as_secs_f64(),
+        timeout.as_secs_f64()
+    )
+}
+
+/// The WARN a comm logs when it declares its peer dead.
+pub(crate) fn warn_dead(what: &str, peer: &str, why: &str, failed: usize) {
+    tracing::warn!(
+        "{what} {peer}: {why}; {failed} request(s) in flight failed, and the comm takes no new ones. \
+         Check that process (its log, the OOM killer, the node); raise WEFT_PEER_TIMEOUT if it was only slow"
+    );
+}

@@ -1,0 +1,279 @@
+//! Endpoints that belong to a device, not to a comm: the hub.
+//!
+//! A device's hub has two endpoints, each with its CQ and AV:
+//! - the **passive** one, where listeners and receive comms live: peers
+//!   connect to it and write into its comms' buffers;
+//! - the **active** one, where send comms live: it only ever contacts
+//!   passive endpoints.
+//!
+//! So every pair of endpoints is connected by one side only, whatever the
+//! comms between two processes, and the simultaneous-connect livelock of
+//! tcp;ofi_rxm (libfabric #9052) cannot occur. A comm is an id on its
+//! endpoint (24 bits) and an [`Inbox`]: control messages carry the id in
+//! their tag's low bits, operations carry it in their context's high 32
+//! bits, and remote writes in their immediate's high 24 bits.
+//!
+//! **Progress.** Whichever thread calls [`Hub::progress`] first reads the
+//! CQ for everyone: it takes the port's poll lock with `try_lock` (a thread
+//! that finds it taken goes on: the holder is delivering its completions
+//! too), reads whole batches, and appends each completion to its comm's
+//! inbox. A comm applies its inbox under its own lock. No lock is held while
+//! another is waited for, so NCCL's proxy threads, each driving its own
+//! comms, and the keeper never block one another.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, RwLock};
+
+use libfabric_sys as fi;
+
+use super::cq::{drain, Event};
+use super::ctrl::{CtrlBufs, CTRL_ID_MASK};
+use super::DeviceState;
+use crate::error::{Error, Result};
+use crate::fabric::{Completion, CompletionError, Endpoint};
+
+/// Control receives kept posted per endpoint of a hub.
+///
+/// shm on libfabric 1.17 lost tagged messages that arrived while all 64
+/// posted receives were taken (measured: 128 of 256 small messages never
+/// completed); control traffic is kept small (sizes ride in the immediate
+/// where the provider gives 8 bytes) and well inside this.
+const CTRL_POSTED: usize = 256;
+/// CQ entries per hub endpoint: a shared CQ must hold what all its comms
+/// have in flight until some thread reads it.
+const CQ_SIZE: usize = 16384;
+/// Comm ids are below this (24 bits: they ride in a 32-bit immediate).
+pub const MAX_ID: u32 = 1 << 24;
+
+/// Which endpoint of the hub.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Port {
+    /// Listeners and receive comms.
+    Passive = 0,
+    /// Send comms.
+    Active = 1,
+}
+
+/// What the hub delivers to a comm.
+#[derive(Debug)]
+pub enum Ev {
+    /// A control message (its bytes).
+    Ctrl(Vec<u8>),
+    /// An operation the comm posted finished; the low 32 bits of its context.
+    Done(u32),
+    /// An operation the comm posted failed.
+    Failed(u32, CompletionError),
+    /// A peer's write with immediate landed: the immediate's low 8 bits, and
+    /// the size it carried (where the hub has wide immediates).
+    Landed(u8, Option<u64>),
+}
+
+/// A comm's mailbox at the hub.
+#[derive(Debug, Default)]
+pub struct Inbox(Mutex<Vec<Ev>>);
+
+impl Inbox {
+    /// Everything delivered since the last call, in arrival order.
+    pub fn take(&self) -> Vec<Ev> {
+        std::mem::take(&mut *lock(&self.0))
+    }
+    fn push(&self, ev: Ev) {
+        lock(&self.0).push(ev);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The context of an operation posted by comm `id`: its id and 32 bits of
+/// its own.
+pub fn context(id: u32, local: u32) -> *mut c_void {
+    ((u64::from(id) << 32) | u64::from(local)) as usize as *mut c_void
+}
+
+/// The immediate of a write to comm `id` at the peer, with 8 bits of its
+/// own: 32 bits. Where the hub has wide immediates, a size below
+/// [`NO_SIZE`] rides in the upper 32 bits.
+pub fn immediate(id: u32, local: u8, size: Option<u64>) -> u64 {
+    let size = size
+        .filter(|&s| s < u64::from(NO_SIZE))
+        .map_or(NO_SIZE, |s| s as u32);
+    (u64::from(size) << 32) | u64::from((id << 8) | u32::from(local))
+}
+
+/// Upper immediate bits meaning "the size comes in a control message".
+pub const NO_SIZE: u32 = u32::MAX;
+
+struct PortState {
+    // Field order is drop order: the endpoint closes before its buffers go.
+    ep: Endpoint,
+    ctrl: Mutex<CtrlBufs>,
+    poll: Mutex<()>,
+    name: Vec<u8>,
+}
+
+/// A device's shared endpoints and the comms on them.
+pub struct Hub {
+    ports: [PortState; 2],
+    /// Writes carry 8 bytes of immediate, so sizes ride in them.
+    wide: bool,
+    boxes: RwLock<HashMap<u32, Arc<Inbox>>>,
+    next_id: Mutex<u32>,
+}
+
+impl std::fmt::Debug for Hub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Hub({} comms)", self.comms())
+    }
+}
+
+impl Hub {
+    /// Opens the device's two endpoints and posts their control receives.
+    pub fn open(dev: &DeviceState) -> Result<Self> {
+        let port = || -> Result<PortState> {
+            let ep = Endpoint::open_sized(&dev.domain, CQ_SIZE)
+                .map_err(|e| Error::from(e).context("opening the device's shared endpoint"))?;
+            let ctrl = CtrlBufs::new(dev, &ep, CTRL_POSTED, true)?;
+            let name = ep.name()?;
+            Ok(PortState {
+                ep,
+                ctrl: Mutex::new(ctrl),
+                poll: Mutex::new(()),
+                name,
+            })
+        };
+        Ok(Self {
+            ports: [port()?, port()?],
+            boxes: RwLock::new(HashMap::new()),
+            next_id: Mutex::new(1),
+            wide: dev.dev.rma.cq_data_size >= 8 && !narrow_for_test(),
+        })
+    }
+
+    /// A new comm: its id (never 0) and its inbox.
+    pub fn register(&self) -> Result<(u32, Arc<Inbox>)> {
+        let mut boxes = self.boxes.write().unwrap_or_else(|e| e.into_inner());
+        if boxes.len() >= (MAX_ID - 1) as usize {
+            return Err(Error::system(format!(
+                "{} comms open on one device: no comm id left",
+                boxes.len()
+            )));
+        }
+        let mut next = lock(&self.next_id);
+        let id = loop {
+            let id = *next;
+            *next = if id + 1 >= MAX_ID { 1 } else { id + 1 };
+            if !boxes.contains_key(&id) {
+                break id;
+            }
+        };
+        let inbox = Arc::new(Inbox::default());
+        boxes.insert(id, Arc::clone(&inbox));
+        Ok((id, inbox))
+    }
+
+    /// The comm is gone: what still arrives for it is dropped.
+    pub fn unregister(&self, id: u32) {
+        self.boxes
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+    }
+
+    /// Whether sizes ride in immediates (8 bytes of remote CQ data).
+    pub fn wide(&self) -> bool {
+        self.wide
+    }
+
+    /// Comms registered.
+    pub fn comms(&self) -> usize {
+        self.boxes.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// One of the endpoints.
+    pub fn ep(&self, port: Port) -> &Endpoint {
+        &self.ports[port as usize].ep
+    }
+
+    /// Its address.
+    pub fn name(&self, port: Port) -> &[u8] {
+        &self.ports[port as usize].name
+    }
+
+    /// Reads `port`'s CQ and delivers what it holds, unless another thread is
+    /// doing so right now.
+    pub fn progress(&self, port: Port) -> Result<()> {
+        let p = &self.ports[port as usize];
+        let Ok(_poller) = p.poll.try_lock() else {
+            return Ok(());
+        };
+        let mut ctrl = lock(&p.ctrl);
+        ctrl.repost_waiting(&p.ep)?;
+        let boxes = self.boxes.read().unwrap_or_else(|e| e.into_inner());
+        let deliver = |id: u32, ev: Ev| match boxes.get(&id) {
+            Some(b) => b.push(ev),
+            None => tracing::trace!("hub: dropped {ev:?} for comm {id}, which is closed"),
+        };
+        let wide = self.wide;
+        drain(&**p.ep.cq(), |ev| {
+            match ev {
+                Event::Done(c) => on_done(c, wide, &mut ctrl, &p.ep, deliver),
+                Event::Failed(e) => {
+                    if let Some(i) = ctrl.find(e.context) {
+                        tracing::warn!("hub: dropped a bad control message: {e}");
+                        return ctrl.repost(&p.ep, i);
+                    }
+                    if e.context.is_null() {
+                        // A peer's operation on our memory failed (e.g. a
+                        // write with a stale key): the peer reports it.
+                        tracing::warn!("hub: a peer's operation failed here: {e}");
+                        return Ok(());
+                    }
+                    let ctx = e.context as usize as u64;
+                    deliver((ctx >> 32) as u32, Ev::Failed(ctx as u32, e));
+                    Ok(())
+                }
+            }
+        })
+    }
+}
+
+fn on_done(
+    c: &Completion,
+    wide: bool,
+    ctrl: &mut CtrlBufs,
+    ep: &Endpoint,
+    deliver: impl Fn(u32, Ev),
+) -> Result<()> {
+    if c.flags & u64::from(fi::FI_REMOTE_WRITE) != 0 {
+        // The size comes from the immediate or a control message, never
+        // from `len` (0 for a remote write on tcp;ofi_rxm 1.17).
+        let imm = c.data as u32;
+        let hi = (c.data >> 32) as u32;
+        let size = (wide && hi != NO_SIZE).then_some(u64::from(hi));
+        deliver(imm >> 8, Ev::Landed(imm as u8, size));
+        return Ok(());
+    }
+    if c.flags & u64::from(fi::FI_RECV) != 0 {
+        let Some(i) = ctrl.find(c.op_context) else {
+            return Err(Error::system(
+                "hub: receive completion for an unknown buffer",
+            ));
+        };
+        let bytes = ctrl.bytes(i, c.len).to_vec();
+        ctrl.repost(ep, i)?;
+        deliver((c.tag & CTRL_ID_MASK) as u32, Ev::Ctrl(bytes));
+        return Ok(());
+    }
+    let ctx = c.op_context as usize as u64;
+    deliver((ctx >> 32) as u32, Ev::Done(ctx as u32));
+    Ok(())
+}
+
+/// Test switch `WEFT_TEST_NARROW_IMM=1`: behave as if writes carried only 4
+/// bytes of immediate (EFA, verbs), so every size travels in a `Wrote`.
+fn narrow_for_test() -> bool {
+    std::env::var("WEFT_TEST_NARROW_IMM").is_ok_and(|v| v == "1")
+}

@@ -1,0 +1,155 @@
+//! The accepting side: a listener is an id on the passive endpoint.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use super::super::handshake::{Handshakes, Pending, Step, MAX_PENDING};
+use super::super::sendrecv::nonce;
+use super::super::wire::{Ctrl, ListenHandle, PROTO_RDMA};
+use super::super::{Comm, Listener, Receiver};
+use super::*;
+
+/// A listening comm.
+pub struct ListenComm {
+    dev: Arc<DeviceState>,
+    seat: Seat,
+    nonce: u64,
+    book: Mutex<Handshakes<Arc<RecvComm>, Ctrl>>,
+}
+
+impl std::fmt::Debug for ListenComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "rdma ListenComm(dev {}, id {})",
+            self.dev.index, self.seat.id
+        )
+    }
+}
+
+impl ListenComm {
+    /// A listener on `dev` and its handle.
+    pub fn open(dev: Arc<DeviceState>) -> Result<(Self, ListenHandle)> {
+        let seat = Seat::new(&dev, Port::Passive)?;
+        let handle = ListenHandle {
+            nonce: nonce(),
+            addr: seat.hub.name(Port::Passive).to_vec(),
+            id: seat.id,
+            proto: PROTO_RDMA,
+        };
+        Ok((
+            Self {
+                dev,
+                seat,
+                nonce: handle.nonce,
+                book: Mutex::new(Handshakes::default()),
+            },
+            handle,
+        ))
+    }
+
+    /// A Conn opens a receive comm whose Ack `accept` sends; anything else
+    /// is logged and dropped.
+    fn on_ctrl(&self, book: &mut Handshakes<Arc<RecvComm>, Ctrl>, bytes: &[u8]) -> Result<()> {
+        let dev = self.dev.index;
+        match Ctrl::decode(bytes) {
+            Ok(Ctrl::Conn {
+                listener,
+                conn,
+                id,
+                addr,
+            }) if listener == self.nonce => {
+                if book.knows(conn) {
+                    tracing::debug!("listener on device {dev}: ignored a repeated Conn");
+                    return Ok(());
+                }
+                if let Err(check) = self.dev.domain.check_addr(&addr) {
+                    tracing::warn!(
+                        "listener on device {dev}: dropped a connection request with an unusable address: {check}"
+                    );
+                    return Ok(());
+                }
+                let comm = Arc::new(RecvComm::open(Arc::clone(&self.dev))?);
+                let ack = match comm.link_to(&addr, id) {
+                    Ok(rid) => Ctrl::Ack {
+                        conn,
+                        credits: 0,
+                        id: rid,
+                        addr: self.seat.hub.name(Port::Passive).to_vec(),
+                    },
+                    Err(e) => {
+                        tracing::warn!(
+                            "listener on device {dev}: dropped a connection request with an unusable address: {e}"
+                        );
+                        return Ok(());
+                    }
+                };
+                let evicted = book.admit(Pending {
+                    comm,
+                    conn,
+                    ack: Some(ack),
+                    deadline: Instant::now() + self.dev.peer_timeout,
+                });
+                if evicted.is_some() {
+                    tracing::warn!(
+                        "listener on device {dev}: {MAX_PENDING} handshakes pending; dropped the oldest for a new one \
+                         (NCCL connects one peer per listener: is something sending forged connection requests?)"
+                    );
+                }
+            }
+            Ok(Ctrl::Conn { listener, .. }) => tracing::warn!(
+                "listener on device {dev}: ignored a connection meant for listener {listener:#x} (stale handle?)"
+            ),
+            Ok(other) => tracing::warn!("listener: ignored unexpected control message {other:?}"),
+            Err(e) => {
+                tracing::warn!("listener on device {dev}: ignored a bad handshake message: {e}")
+            }
+        }
+        Ok(())
+    }
+
+    fn step(&self, p: &mut Pending<Arc<RecvComm>, Ctrl>, now: Instant) -> Step {
+        let answered = match p.ack.take() {
+            Some(ack) => match p.comm.say(ack) {
+                Ok(()) => true,
+                Err(e) => {
+                    return Step::Failed(format!(
+                        "accept: cannot answer the connecting peer {}: {e}",
+                        p.comm.peer_name()
+                    ))
+                }
+            },
+            None => true,
+        };
+        match p.comm.confirmed() {
+            Err(e) => Step::Failed(format!(
+                "accept: handshake with {} failed: {e}",
+                p.comm.peer_name()
+            )),
+            Ok(true) if answered => Step::Confirmed,
+            Ok(_) if now > p.deadline => Step::Failed(format!(
+                "accept: the connecting peer {} never confirmed the connection within {:.1} s (WEFT_PEER_TIMEOUT): its process died or hangs",
+                p.comm.peer_name(),
+                self.dev.peer_timeout.as_secs_f64()
+            )),
+            Ok(_) => Step::Waiting,
+        }
+    }
+}
+
+impl Listener for ListenComm {
+    fn accept(&self) -> Result<Option<Arc<dyn Receiver>>> {
+        let mut book = lock(&self.book);
+        for ev in self.seat.poll()? {
+            match ev {
+                Ev::Ctrl(bytes) => self.on_ctrl(&mut book, &bytes)?,
+                other => tracing::warn!("listener: ignored {other:?}"),
+            }
+        }
+        let now = Instant::now();
+        let done = book
+            .step_all(|p| self.step(p, now), |why| tracing::warn!("{why}"))
+            .map_err(Error::remote)?;
+        Ok(done.map(|c| -> Arc<dyn Receiver> { c }))
+    }
+}

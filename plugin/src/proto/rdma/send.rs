@@ -1,0 +1,427 @@
+//! The sending side: the connecting half of the handshake, the receiver's
+//! offers, and writes.
+
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::Instant;
+
+use libfabric_sys as fi;
+
+use super::super::ctrl::Peer;
+use super::super::handshake::{Connecting, Phase};
+use super::super::hub::{context, immediate, NO_SIZE};
+use super::super::pool::Pool;
+use super::super::sendrecv::nonce;
+use super::super::wire::RtrBuf;
+use super::super::{Comm, Done, ReqId, MAX_RECVS, MAX_REQUESTS};
+use super::*;
+
+/// A sending comm (also the state of a `connect` in progress).
+pub struct SendComm {
+    dev: Arc<DeviceState>,
+    /// NCCL's traffic class (-1: undefined). Kept; no provider here applies one.
+    pub traffic_class: i32,
+    listener_nonce: u64,
+    seat: Seat,
+    inner: Mutex<SendState>,
+}
+
+/// One buffer the receiver offered.
+#[derive(Debug, Clone, Copy)]
+struct Offer {
+    slot: u8,
+    sub: u8,
+    buf: RtrBuf,
+}
+
+/// A send.
+#[derive(Debug, Clone, Copy)]
+struct SReq {
+    size: usize,
+    done: bool,
+    /// The write failed (fi errno), or the peer died (0).
+    err: Option<u32>,
+}
+
+struct SendState {
+    connect: Connecting,
+    listener: Peer,
+    listener_id: u32,
+    peer: PeerLink,
+    reqs: Pool<SReq>,
+    /// Offered buffers, oldest first.
+    offers: VecDeque<Offer>,
+    /// The Rtr expected next, and those that arrived ahead of it.
+    next_seq: u32,
+    early: BTreeMap<u32, (u8, Vec<RtrBuf>)>,
+}
+
+impl std::fmt::Debug for SendComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "rdma SendComm(dev {}, id {})",
+            self.dev.index, self.seat.id
+        )
+    }
+}
+
+impl SendComm {
+    /// Starts connecting to the listener named by `handle`.
+    pub fn start(dev: Arc<DeviceState>, handle: &ListenHandle, traffic_class: i32) -> Result<Self> {
+        let seat = Seat::new(&dev, Port::Active)?;
+        let listener = Peer::insert(seat.ep(), &handle.addr).map_err(|e| {
+            if e.code == fi::FI_ENOTCONN {
+                Error::remote(format!("connect: the listener is gone: {e}"))
+            } else {
+                Error::internal(format!("the handle's listener address is unusable: {e}"))
+            }
+        })?;
+        // One send per buffer NCCL may have posted (32 requests x 8), as SENDRECV.
+        let reqs = Pool::new(MAX_REQUESTS * MAX_RECVS).map_err(|e| Error::system(e.to_string()))?;
+        let connect = Connecting::new(
+            nonce(),
+            Instant::now(),
+            heartbeat_period(dev.peer_timeout),
+            dev.peer_timeout,
+        );
+        Ok(Self {
+            dev,
+            traffic_class,
+            listener_nonce: handle.nonce,
+            seat,
+            inner: Mutex::new(SendState {
+                connect,
+                listener,
+                listener_id: handle.id,
+                peer: PeerLink::new(),
+                reqs,
+                offers: VecDeque::with_capacity(MAX_REQUESTS * MAX_RECVS),
+                next_seq: 0,
+                early: BTreeMap::new(),
+            }),
+        })
+    }
+}
+
+impl Sender for SendComm {
+    fn listener_nonce(&self) -> u64 {
+        self.listener_nonce
+    }
+
+    fn step_connect(&self) -> Result<bool> {
+        let mut st = lock(&self.inner);
+        let now = Instant::now();
+        if st.connect.conn_due(now) {
+            let msg = Ctrl::Conn {
+                listener: self.listener_nonce,
+                conn: st.connect.conn(),
+                id: self.seat.id,
+                addr: self.seat.hub.name(Port::Active).to_vec(),
+            };
+            match send_ctrl_to(self.seat.ep(), &st.listener, st.listener_id, &msg) {
+                Ok(()) => st.connect.conn_sent(now),
+                Err(e) if e.is_again() => {}
+                Err(e) => {
+                    return Err(Error::remote(format!(
+                        "connect: cannot reach the listener: {e}"
+                    )))
+                }
+            }
+        }
+        st.progress(&self.seat)?;
+        if st.connect.phase() == Phase::Ready {
+            return Ok(true);
+        }
+        if st.connect.expired(Instant::now()) {
+            return Err(Error::remote(format!(
+                "connect: no answer from the listener within {:.1} s (WEFT_PEER_TIMEOUT): is the peer process alive and using the same Weft?",
+                self.dev.peer_timeout.as_secs_f64()
+            )));
+        }
+        Ok(false)
+    }
+
+    /// `Ok(None)` until the receiver offered a buffer for `tag`, while the
+    /// provider is busy, or while another thread holds the comm.
+    unsafe fn isend(
+        &self,
+        data: *const u8,
+        size: usize,
+        tag: i32,
+        desc: *mut c_void,
+        _phandle: *mut c_void,
+    ) -> Result<Option<ReqId>> {
+        let Some(mut st) = try_lock(&self.inner) else {
+            return Ok(None);
+        };
+        if st.connect.phase() != Phase::Ready {
+            return Err(Error::internal(
+                "isend on a comm whose connect has not finished",
+            ));
+        }
+        st.peer.link.check()?;
+        let mut at = st.offers.iter().position(|o| o.buf.tag == tag);
+        if at.is_none() {
+            st.progress(&self.seat)?;
+            at = st.offers.iter().position(|o| o.buf.tag == tag);
+        }
+        let Some(at) = at else {
+            return Ok(None);
+        };
+        let o = st.offers[at];
+        if size as u64 > o.buf.size {
+            st.offers.remove(at);
+            let trunc = Ctrl::Trunc {
+                slot: o.slot,
+                sub: o.sub,
+                size: size as u64,
+            };
+            st.peer.send(self.seat.ep(), trunc)?;
+            return Err(truncation(
+                "send",
+                &st.peer.link.name,
+                size as u64,
+                tag,
+                o.buf.size,
+            ));
+        }
+        let Some((_, idx)) = st.reqs.insert(SReq {
+            size,
+            done: size == 0,
+            err: None,
+        }) else {
+            st.progress(&self.seat)?;
+            return Ok(None);
+        };
+        // The size rides in the immediate where the hub has 8 bytes of it;
+        // else (and for an empty message, which writes nothing) in a Wrote.
+        let in_imm = (size > 0 && self.seat.hub.wide()).then_some(size as u64);
+        if size > 0 {
+            let imm = immediate(st.peer.id, (o.slot << 3) | o.sub, in_imm);
+            let ep = self.seat.ep();
+            let posted = st.peer.link.peer.send("fi_writedata", |a| {
+                // SAFETY: NCCL keeps `data..data+size` (checked against its
+                // registration by the caller) until the request is done,
+                // which is after the write's completion; the remote range is
+                // the one the receiver offered, and `size` fits it.
+                unsafe {
+                    ep.writedata(
+                        data,
+                        size,
+                        desc,
+                        imm,
+                        a,
+                        o.buf.addr,
+                        o.buf.key,
+                        context(self.seat.id, idx),
+                    )
+                }
+            });
+            if let Err(e) = posted {
+                st.reqs.release(idx);
+                if e.is_again() {
+                    st.progress(&self.seat)?;
+                    return Ok(None);
+                }
+                return Err(Error::remote(format!(
+                    "isend of {size} bytes to {} failed: {e}",
+                    st.peer.link.name
+                )));
+            }
+        }
+        st.offers.remove(at);
+        if in_imm.is_none_or(|s| s >= u64::from(NO_SIZE)) {
+            let wrote = Ctrl::Wrote {
+                slot: o.slot,
+                sub: o.sub,
+                size: size as u64,
+            };
+            if let Err(e) = st.peer.send(self.seat.ep(), wrote) {
+                die(&mut *st, format!("telling the receiver a size failed: {e}"));
+            }
+        }
+        Ok(Some(ReqId {
+            slot: idx,
+            gen: st.reqs.gen(idx),
+        }))
+    }
+}
+
+impl Comm for SendComm {
+    fn dev(&self) -> &Arc<DeviceState> {
+        &self.dev
+    }
+    fn test(&self, id: ReqId) -> Result<Option<Done>> {
+        let Some(mut st) = try_lock(&self.inner) else {
+            return Ok(None);
+        };
+        let current = st.reqs.is_current(id.slot, id.gen);
+        let unfinished = st
+            .reqs
+            .get_mut(id.slot)
+            .filter(|_| current)
+            .map(|r| !r.done)
+            .ok_or_else(|| {
+                Error::internal(
+                    "test: not a live send request (already completed and reported, or a stale pointer)",
+                )
+            })?;
+        if unfinished || !st.peer.owed.is_empty() {
+            st.progress(&self.seat)?;
+        }
+        let r = *st.reqs.get_mut(id.slot).expect("checked live above");
+        // A send is done once its write completed and its Wrote went out:
+        // NCCL may never call into this comm again, and the receiver waits
+        // for both.
+        if !r.done || (!st.peer.owed.is_empty() && st.peer.link.dead.is_none()) {
+            return Ok(None);
+        }
+        st.reqs.release(id.slot);
+        match r.err {
+            None => {
+                let mut sizes = [0; MAX_RECVS];
+                sizes[0] = r.size;
+                Ok(Some(Done { n: 1, sizes }))
+            }
+            Some(0) => Err(dead_error(&st.peer.link)),
+            Some(e) => {
+                let msg = format!(
+                    "send of {} bytes to peer {} failed: {} (fi errno {e})",
+                    r.size,
+                    st.peer.link.name,
+                    crate::fabric::strerror(e)
+                );
+                tracing::warn!("{msg}");
+                Err(Error::remote(msg))
+            }
+        }
+    }
+    fn keepalive(&self, now: Instant) {
+        if let Some(mut st) = keeper_lock(&self.inner) {
+            keepalive(&mut *st, &self.seat, self.dev.peer_timeout, now);
+        }
+    }
+    fn peer_name(&self) -> String {
+        lock(&self.inner).peer.link.name.clone()
+    }
+    fn hold(&self, held: &Tx<()>, release: &Rx<()>) {
+        hold(&self.inner, held, release);
+    }
+    /// Never: see the module's "Liveness" (a write may still read its
+    /// source, but nothing of NCCL's is written).
+    fn endpoint_open(&self) -> bool {
+        false
+    }
+}
+
+impl Drop for SendComm {
+    fn drop(&mut self) {
+        say_bye(&mut lock(&self.inner).peer, &self.seat);
+    }
+}
+
+impl Side for SendState {
+    const WHAT: &'static str = "send comm to";
+    fn peer(&mut self) -> &mut PeerLink {
+        &mut self.peer
+    }
+    fn linked(&self) -> bool {
+        self.connect.phase() == Phase::Ready
+    }
+    fn fail_all(&mut self) -> usize {
+        let live: Vec<u32> = self.reqs.live().collect();
+        let mut n = 0;
+        for i in live {
+            if let Some(r) = self.reqs.get_mut(i) {
+                if !r.done {
+                    r.done = true;
+                    r.err = Some(0);
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+    fn progress(&mut self, seat: &Seat) -> Result<()> {
+        self.peer.flush(seat.ep())?;
+        for ev in seat.poll()? {
+            match ev {
+                Ev::Ctrl(bytes) => {
+                    self.peer.link.heard = true;
+                    self.on_ctrl(seat, &bytes)?;
+                }
+                Ev::Done(local) => {
+                    if let Some(r) = self.reqs.get_mut(local).filter(|r| !r.done) {
+                        r.done = true;
+                    }
+                }
+                Ev::Failed(local, e) => {
+                    tracing::warn!("send comm to {}: a write failed: {e}", self.peer.link.name);
+                    if let Some(r) = self.reqs.get_mut(local).filter(|r| !r.done) {
+                        r.done = true;
+                        r.err = Some(e.err.max(1));
+                    }
+                }
+                Ev::Landed(..) => {
+                    tracing::warn!("send comm: ignored a write into its memory")
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl SendState {
+    fn on_ctrl(&mut self, seat: &Seat, bytes: &[u8]) -> Result<()> {
+        match Ctrl::decode(bytes) {
+            Ok(Ctrl::Rtr { seq, slot, bufs }) if self.connect.phase() == Phase::Ready => {
+                if usize::from(slot) >= MAX_REQUESTS || self.early.len() >= MAX_REQUESTS {
+                    tracing::warn!(
+                        "send comm to {}: ignored an offer for request slot {slot} ({} early)",
+                        self.peer.link.name,
+                        self.early.len()
+                    );
+                    return Ok(());
+                }
+                self.early.insert(seq, (slot, bufs));
+                while let Some((slot, bufs)) = self.early.remove(&self.next_seq) {
+                    self.next_seq = self.next_seq.wrapping_add(1);
+                    for (sub, buf) in bufs.into_iter().enumerate() {
+                        self.offers.push_back(Offer {
+                            slot,
+                            sub: sub as u8,
+                            buf,
+                        });
+                    }
+                }
+            }
+            Ok(Ctrl::Alive) => {}
+            Ok(Ctrl::Bye) => on_bye(self),
+            Ok(Ctrl::Ack { conn, id, addr, .. }) if self.connect.takes_ack(conn) => {
+                if id == 0 || id >= super::super::hub::MAX_ID {
+                    tracing::warn!("send comm: ignored an Ack naming comm id {id}");
+                    return Ok(());
+                }
+                if let Err(e) = self.peer.link.connect(seat.ep(), &addr) {
+                    tracing::warn!("send comm: ignored an Ack with an unusable address: {e}");
+                    return Ok(());
+                }
+                self.peer.id = id;
+                self.connect.connected();
+                // The first Alive confirms the connection to `accept`.
+                self.peer.send(seat.ep(), Ctrl::Alive).map_err(|e| {
+                    e.context(format!(
+                        "connect: cannot reach the accepting peer {}",
+                        self.peer.link.name
+                    ))
+                })?;
+                self.peer.link.last_said = Some(Instant::now());
+            }
+            Ok(other) => tracing::warn!("send comm: ignored unexpected control message {other:?}"),
+            Err(e) => tracing::warn!("send comm: ignored a bad control message: {e}"),
+        }
+        Ok(())
+    }
+}
