@@ -65,6 +65,10 @@ impl Rma {
 /// Asks libfabric what `provider` offers each domain with `FI_RMA`.
 fn rma_of(provider: &str) -> Vec<(String, Rma, OwnedInfo)> {
     let mut h = Hints::rdm_tagged(Some(provider));
+    if std::env::var("WEFT_TEST_MR_OFFSET").is_ok_and(|v| v == "1") {
+        // Test switch: ask for offset addressing (shm offers either).
+        h.mr_mode &= !libfabric_sys::FI_MR_VIRT_ADDR;
+    }
     h.caps |= u64::from(libfabric_sys::FI_RMA)
         | u64::from(libfabric_sys::FI_WRITE)
         | u64::from(libfabric_sys::FI_REMOTE_WRITE);

@@ -46,6 +46,12 @@ pub const TEST_PARAMS: &[Param] = &[
         meaning: "marks a test rerun in a process of its own under plain `cargo test` (`weft_tests::isolated!`); nextest needs none",
     },
     Param {
+        name: "WEFT_TEST_MR_OFFSET",
+        default: "unset",
+        accepted: "`1`",
+        meaning: "the plugin asks libfabric for RMA without `FI_MR_VIRT_ADDR`, so peers address registrations by offset (shm offers either); read by the plugin itself, set by the tests that cover that path",
+    },
+    Param {
         name: "WEFT_TEST_NARROW_IMM",
         default: "unset",
         accepted: "`1`",

@@ -108,6 +108,19 @@ fn shm_two_processes_narrow_immediates() {
     with_protocol("rdma", "shm");
 }
 
+/// rdma with registrations addressed by offset, not virtual address (shm
+/// offers either; the plugin asks for offsets under the test switch).
+#[test]
+fn shm_two_processes_offset_addressing() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_TEST_MR_OFFSET", "1");
+    with_protocol("rdma", "shm");
+    assert!(
+        !core::virt_addr_for_test(0).unwrap(),
+        "shm was asked for offsets but reports FI_MR_VIRT_ADDR"
+    );
+}
+
 /// Ranks with different protocols: `connect` fails at once, naming both
 /// and the setting to fix.
 #[test]

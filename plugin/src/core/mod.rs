@@ -692,6 +692,12 @@ pub struct DeviceStats {
     pub mr_entries: usize,
 }
 
+/// Test hook: whether device `dev` addresses remote registrations by
+/// virtual address (`FI_MR_VIRT_ADDR`) rather than by offset.
+pub fn virt_addr_for_test(dev: i32) -> Result<bool> {
+    Ok(device(&*plugin()?, dev)?.virt_addr())
+}
+
 /// The protocol the running plugin chose (`sendrecv`, `rdma`).
 pub fn protocol_name() -> Result<&'static str> {
     Ok(plugin()?.protocol.name())

@@ -33,6 +33,19 @@ impl Endpoint {
     /// Opens an endpoint on `domain`, binds `cq` for send and receive
     /// completions and `av`, and enables it.
     pub fn open(domain: &Arc<Domain>, cq: &Arc<Cq>, av: &Arc<Av>) -> Result<Self, FiError> {
+        match Self::open_once(domain, cq, av) {
+            Err(e)
+                if e.code == fi::FI_EBUSY
+                    && domain.info().provider() == super::provider::SHM
+                    && super::local::remove_stale_shm_regions() > 0 =>
+            {
+                Self::open_once(domain, cq, av)
+            }
+            r => r,
+        }
+    }
+
+    fn open_once(domain: &Arc<Domain>, cq: &Arc<Cq>, av: &Arc<Av>) -> Result<Self, FiError> {
         let mut ptr = ptr::null_mut();
         // SAFETY: domain and its info are live; `ptr` receives the endpoint.
         check("fi_endpoint", unsafe {

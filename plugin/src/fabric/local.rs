@@ -84,6 +84,47 @@ pub fn open_endpoints() -> usize {
         .count()
 }
 
+/// Removes shm regions named for this process's pid that no open endpoint
+/// of this process owns: a dead process that had the same pid left them
+/// (shm unlinks its region when an endpoint closes; a process that exits
+/// without closing, or is killed, leaves it in `/dev/shm`), and libfabric
+/// 1.17's shm refuses (`EBUSY`) to open an endpoint whose region exists.
+/// Returns how many were removed.
+pub fn remove_stale_shm_regions() -> usize {
+    let prefix = format!("{}:", std::process::id());
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return 0;
+    };
+    let ours: Vec<Vec<u8>> = {
+        let t = table();
+        t.live
+            .iter()
+            .filter(|(_, w)| w.strong_count() > 0)
+            .map(|(n, _)| n.split(|&b| b == 0).next().unwrap_or(n).to_vec())
+            .collect()
+    };
+    let mut removed = 0;
+    for e in dir.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        if !file.starts_with(&prefix) {
+            continue;
+        }
+        let name = format!("fi_shm://{file}").into_bytes();
+        if ours.contains(&name) {
+            continue;
+        }
+        if std::fs::remove_file(e.path()).is_ok() {
+            tracing::warn!(
+                "removed /dev/shm/{file}, an shm region left by an earlier process with this pid ({}); \
+                 processes that exit without closing their endpoints (or are killed) leave these",
+                std::process::id()
+            );
+            removed += 1;
+        }
+    }
+    removed
+}
+
 /// What a peer's name says about where it lives.
 #[derive(Debug, Clone)]
 pub enum Locality {

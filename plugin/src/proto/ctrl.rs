@@ -34,22 +34,35 @@ pub(crate) struct CtrlBufs {
     pub(crate) unposted: Vec<usize>,
     /// Tag bits the posted receives ignore (the comm id, on a shared endpoint).
     ignore: u64,
+    /// Bytes per buffer.
+    size: usize,
 }
 
 impl CtrlBufs {
-    /// Posts `count` buffers on `ep` that take control messages for any
-    /// comm id (`any_id`) or only for id 0.
+    /// Posts `count` buffers of [`CTRL_MAX`] bytes on `ep` that take control
+    /// messages for any comm id (`any_id`) or only for id 0.
     pub(crate) fn new(
         dev: &DeviceState,
         ep: &Endpoint,
         count: usize,
         any_id: bool,
     ) -> Result<Self> {
+        Self::sized(dev, ep, count, any_id, CTRL_MAX)
+    }
+
+    /// [`CtrlBufs::new`] with buffers of `size` bytes (room for eager data).
+    pub(crate) fn sized(
+        dev: &DeviceState,
+        ep: &Endpoint,
+        count: usize,
+        any_id: bool,
+        size: usize,
+    ) -> Result<Self> {
         let mut list = Freelist::new(
             HostPages,
             DomainRegistrar(Arc::clone(&dev.domain)),
             Params {
-                elem_size: CTRL_MAX,
+                elem_size: size,
                 align: SLOT_ALIGN,
                 elems_per_block: count,
                 max_elems: count,
@@ -65,6 +78,7 @@ impl CtrlBufs {
             posted,
             unposted: Vec::new(),
             ignore: if any_id { CTRL_ID_MASK } else { 0 },
+            size,
         };
         for i in 0..count {
             me.repost(ep, i)?;
@@ -95,13 +109,13 @@ impl CtrlBufs {
     pub(crate) fn post(&self, ep: &Endpoint, i: usize) -> std::result::Result<(), FiError> {
         let e = &self.posted[i];
         let desc = e.mr.map_or(std::ptr::null_mut(), |m| m.desc);
-        // SAFETY: the buffer is CTRL_MAX bytes of registered memory owned by
+        // SAFETY: the buffer is `size` bytes of registered memory owned by
         // this list, which outlives the endpoint (fields drop ep first); the
         // context is the buffer's own address.
         unsafe {
             ep.trecv(
                 e.ptr.as_ptr(),
-                CTRL_MAX,
+                self.size,
                 desc,
                 fi::FI_ADDR_UNSPEC,
                 CTRL_TAG,
@@ -119,9 +133,9 @@ impl CtrlBufs {
     }
 
     pub(crate) fn bytes(&self, i: usize, len: usize) -> &[u8] {
-        // SAFETY: the buffer is CTRL_MAX bytes; the provider finished writing
+        // SAFETY: the buffer is `size` bytes; the provider finished writing
         // `len` of them when it reported the completion.
-        unsafe { std::slice::from_raw_parts(self.posted[i].ptr.as_ptr(), len.min(CTRL_MAX)) }
+        unsafe { std::slice::from_raw_parts(self.posted[i].ptr.as_ptr(), len.min(self.size)) }
     }
 }
 

@@ -29,6 +29,7 @@ use libfabric_sys as fi;
 
 use super::cq::{drain, Event};
 use super::ctrl::{CtrlBufs, CTRL_ID_MASK};
+use super::wire::{CTRL_MAX, EAGER_HEAD};
 use super::DeviceState;
 use crate::error::{Error, Result};
 use crate::fabric::{Completion, CompletionError, Endpoint};
@@ -119,6 +120,8 @@ pub struct Hub {
     ports: [PortState; 2],
     /// Writes carry 8 bytes of immediate, so sizes ride in them.
     wide: bool,
+    /// The largest eager message (data bytes) this hub's buffers take.
+    eager_max: usize,
     boxes: RwLock<HashMap<u32, Arc<Inbox>>>,
     next_id: Mutex<u32>,
 }
@@ -132,10 +135,15 @@ impl std::fmt::Debug for Hub {
 impl Hub {
     /// Opens the device's two endpoints and posts their control receives.
     pub fn open(dev: &DeviceState) -> Result<Self> {
+        // Eager messages are injected whole (header + data).
+        let eager_max = dev
+            .eager_size
+            .min(dev.dev.inject_size.saturating_sub(EAGER_HEAD));
         let port = || -> Result<PortState> {
             let ep = Endpoint::open_sized(&dev.domain, CQ_SIZE)
                 .map_err(|e| Error::from(e).context("opening the device's shared endpoint"))?;
-            let ctrl = CtrlBufs::new(dev, &ep, CTRL_POSTED, true)?;
+            let size = CTRL_MAX.max(EAGER_HEAD + eager_max);
+            let ctrl = CtrlBufs::sized(dev, &ep, CTRL_POSTED, true, size)?;
             let name = ep.name()?;
             Ok(PortState {
                 ep,
@@ -149,6 +157,7 @@ impl Hub {
             boxes: RwLock::new(HashMap::new()),
             next_id: Mutex::new(1),
             wide: dev.dev.rma.cq_data_size >= 8 && !narrow_for_test(),
+            eager_max,
         })
     }
 
@@ -185,6 +194,11 @@ impl Hub {
     /// Whether sizes ride in immediates (8 bytes of remote CQ data).
     pub fn wide(&self) -> bool {
         self.wide
+    }
+
+    /// The largest eager message this hub takes and sends (data bytes).
+    pub fn eager_max(&self) -> usize {
+        self.eager_max
     }
 
     /// Comms registered.

@@ -144,6 +144,11 @@ impl<T: Copy> Pool<T> {
             .map(|(i, _)| i as u32)
     }
 
+    /// Slots in all.
+    pub fn capacity(&self) -> usize {
+        self.live.len()
+    }
+
     /// Slots in use.
     pub fn in_use(&self) -> usize {
         self.list.in_use()

@@ -194,6 +194,8 @@ pub enum Ctrl {
         conn: u64,
         /// Messages the sender may have outstanding before credits return.
         credits: u32,
+        /// RDMA: the largest eager message the receiver takes (0: none).
+        eager: u32,
         /// The receive comm's id on its endpoint (0: its own endpoint).
         id: u32,
         /// The receive endpoint's address.
@@ -231,6 +233,16 @@ pub enum Ctrl {
         /// Bytes sent.
         size: u64,
     },
+    /// RDMA sender -> receiver: message `idx` of `tag` itself, sent before
+    /// its buffer was offered (small messages; bounded by credits).
+    Eager {
+        /// NCCL's tag.
+        tag: i32,
+        /// Which message of that tag (counted from 0 per comm and tag).
+        idx: u32,
+        /// The bytes.
+        data: Vec<u8>,
+    },
     /// RDMA sender -> receiver: the message for buffer `sub` of `slot` was
     /// `size` bytes, more than the buffer holds; nothing was written.
     Trunc {
@@ -248,6 +260,9 @@ pub enum Ctrl {
 pub struct RtrBuf {
     /// NCCL's tag for it.
     pub tag: i32,
+    /// Which receive of that tag it is (counted from 0 per comm and tag):
+    /// the message of the same number goes into it.
+    pub idx: u32,
     /// Its capacity.
     pub size: u64,
     /// Where to write: a virtual address or an offset into the registration,
@@ -258,7 +273,9 @@ pub struct RtrBuf {
 }
 
 /// Bytes of one [`RtrBuf`] on the wire.
-const RTR_BUF: usize = 28;
+const RTR_BUF: usize = 32;
+/// Bytes before an eager message's data.
+pub const EAGER_HEAD: usize = 16;
 /// Where an Rtr's buffers start.
 const RTR_HEAD: usize = 16;
 
@@ -293,6 +310,7 @@ const KIND_RTR: u8 = 5;
 const KIND_WROTE: u8 = 6;
 const KIND_TRUNC: u8 = 7;
 const KIND_BYE: u8 = 8;
+const KIND_EAGER: u8 = 9;
 /// Where the address of a Conn or Ack starts.
 const ADDR_AT: usize = 28;
 
@@ -323,13 +341,14 @@ impl Ctrl {
             Ctrl::Ack {
                 conn,
                 credits,
+                eager,
                 id,
                 addr,
             } => {
                 out[6] = KIND_ACK;
                 out[8..16].copy_from_slice(&conn.to_le_bytes());
                 out[16..20].copy_from_slice(&credits.to_le_bytes());
-                out[20..24].fill(0);
+                out[20..24].copy_from_slice(&eager.to_le_bytes());
                 out[24..28].copy_from_slice(&id.to_le_bytes());
                 put_addr(out, ADDR_AT, addr)
             }
@@ -346,6 +365,7 @@ impl Ctrl {
                     out[at + 4..at + 12].copy_from_slice(&b.size.to_le_bytes());
                     out[at + 12..at + 20].copy_from_slice(&b.addr.to_le_bytes());
                     out[at + 20..at + 28].copy_from_slice(&b.key.to_le_bytes());
+                    out[at + 28..at + 32].copy_from_slice(&b.idx.to_le_bytes());
                 }
                 RTR_HEAD + n * RTR_BUF
             }
@@ -368,6 +388,15 @@ impl Ctrl {
                 out[8..12].copy_from_slice(&count.to_le_bytes());
                 12
             }
+            Ctrl::Eager { tag, idx, data } => {
+                // Only what fits a control buffer; real eager messages go
+                // through `encode_eager`.
+                let mut v = Vec::new();
+                let n = data.len().min(CTRL_MAX - EAGER_HEAD);
+                Ctrl::encode_eager(*tag, *idx, &data[..n], &mut v);
+                out[..v.len()].copy_from_slice(&v);
+                v.len()
+            }
             Ctrl::Alive | Ctrl::Bye => {
                 out[6] = if matches!(self, Ctrl::Alive) {
                     KIND_ALIVE
@@ -379,6 +408,18 @@ impl Ctrl {
                 12
             }
         }
+    }
+
+    /// Encodes an [`Ctrl::Eager`] of `data` into `out` (any length; control
+    /// messages of fixed size use [`Ctrl::encode`]).
+    pub fn encode_eager(tag: i32, idx: u32, data: &[u8], out: &mut Vec<u8>) {
+        out.clear();
+        out.extend_from_slice(&CTRL_MAGIC.to_le_bytes());
+        out.extend_from_slice(&HANDLE_VERSION.to_le_bytes());
+        out.extend_from_slice(&[KIND_EAGER, 0]);
+        out.extend_from_slice(&tag.to_le_bytes());
+        out.extend_from_slice(&idx.to_le_bytes());
+        out.extend_from_slice(data);
     }
 
     /// Decodes and validates `buf` (exactly the received bytes).
@@ -415,6 +456,7 @@ impl Ctrl {
             KIND_ACK if buf.len() >= ADDR_AT => Ok(Ctrl::Ack {
                 conn: u64_at(8),
                 credits: u32_at(16),
+                eager: u32_at(20),
                 id: u32_at(24),
                 addr: addr()?,
             }),
@@ -434,6 +476,7 @@ impl Ctrl {
                             size: u64_at(at + 4),
                             addr: u64_at(at + 12),
                             key: u64_at(at + 20),
+                            idx: u32_at(at + 28),
                         }
                     })
                     .collect();
@@ -455,8 +498,15 @@ impl Ctrl {
                 count: u32::from_le_bytes(buf[8..12].try_into().expect("4 bytes")),
             }),
             KIND_ALIVE => Ok(Ctrl::Alive),
+            KIND_EAGER if buf.len() >= EAGER_HEAD => Ok(Ctrl::Eager {
+                tag: u32_at(8) as i32,
+                idx: u32_at(12),
+                data: buf[EAGER_HEAD..].to_vec(),
+            }),
             KIND_BYE => Ok(Ctrl::Bye),
-            KIND_CONN | KIND_ACK | KIND_WROTE | KIND_TRUNC => Err(CtrlError::Truncated(buf.len())),
+            KIND_CONN | KIND_ACK | KIND_WROTE | KIND_TRUNC | KIND_EAGER => {
+                Err(CtrlError::Truncated(buf.len()))
+            }
             k => Err(CtrlError::Kind(k)),
         }
     }
@@ -564,6 +614,7 @@ mod tests {
             Ctrl::Ack {
                 conn: 2,
                 credits: 3,
+                eager: 0,
                 id: 0,
                 addr: Vec::new(),
             },
@@ -587,6 +638,7 @@ mod tests {
             Ctrl::Ack {
                 conn: 2,
                 credits: 256,
+                eager: 8192,
                 id: 78,
                 addr: vec![7; 40],
             },
@@ -602,6 +654,7 @@ mod tests {
                         size: 1 << (i * 4),
                         addr: 0x7f00_0000_0000 + i,
                         key: u64::MAX - i,
+                        idx: i as u32 * 3,
                     })
                     .collect(),
             },
@@ -609,6 +662,16 @@ mod tests {
                 slot: 3,
                 sub: 7,
                 size: 1 << 40,
+            },
+            Ctrl::Eager {
+                tag: -5,
+                idx: 9,
+                data: vec![1, 2, 3],
+            },
+            Ctrl::Eager {
+                tag: 5,
+                idx: 0,
+                data: Vec::new(),
             },
             Ctrl::Trunc {
                 slot: 4,

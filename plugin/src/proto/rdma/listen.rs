@@ -73,7 +73,8 @@ impl ListenComm {
                 let ack = match comm.link_to(&addr, id) {
                     Ok(rid) => Ctrl::Ack {
                         conn,
-                        credits: 0,
+                        credits: EAGER_CREDITS,
+                        eager: self.seat.hub.eager_max() as u32,
                         id: rid,
                         addr: self.seat.hub.name(Port::Passive).to_vec(),
                     },

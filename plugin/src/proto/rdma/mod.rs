@@ -26,6 +26,13 @@
 //! between the two is assumed, nor between messages beyond what `seq`
 //! restores.
 //!
+//! **Eager.** Sends and receives are numbered per tag; each offered buffer
+//! carries its number. A message that fits the provider's inject size (and
+//! `WEFT_EAGER_SIZE`) goes at once as an `Eager{tag, number, data}` control
+//! message, offered or not; the receiver copies it into the receive of the
+//! same number (or keeps it until that receive is posted) and returns a
+//! credit. A sender has at most [`EAGER_CREDITS`] unconsumed.
+//!
 //! **What the receiver holds.** Data arrives only into buffers it offered,
 //! so it never buffers an unexpected data message; control messages are
 //! bounded by NCCL's requests (32 per comm). `Rtr` travels only when NCCL
@@ -57,6 +64,13 @@ mod send;
 pub use listen::ListenComm;
 pub use recv::RecvComm;
 pub use send::SendComm;
+
+/// Eager messages a sender may have unconsumed at its receiver (each takes
+/// one of the receiver's posted bounce buffers, then at most one stashed
+/// copy until NCCL posts its receive).
+pub const EAGER_CREDITS: u32 = 16;
+/// Eager credits are returned once this many are owed.
+const EAGER_CREDIT_BATCH: u32 = 4;
 
 /// The RDMA protocol.
 #[derive(Debug, Clone, Copy)]

@@ -1,6 +1,7 @@
 //! The receiving side: offers buffers with `Rtr`, completes them when the
 //! write's immediate and its `Wrote` both arrived.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -22,6 +23,10 @@ struct RReq {
     n: u8,
     caps: [u64; MAX_RECVS],
     tags: [i32; MAX_RECVS],
+    /// Which receive of its tag each buffer is.
+    idxs: [u32; MAX_RECVS],
+    /// NCCL's buffers (eager data is copied there).
+    data: [usize; MAX_RECVS],
     sizes: [usize; MAX_RECVS],
     /// Buffers whose write landed (bit per buffer).
     landed: u8,
@@ -61,6 +66,13 @@ struct RecvState {
     /// Address buffers by offset into their registration (the provider's MR
     /// mode lacks FI_MR_VIRT_ADDR).
     offsets: bool,
+    /// Receives posted so far per tag (the next buffer's number).
+    next_idx: HashMap<i32, u32>,
+    /// Eager messages that arrived before their receive was posted
+    /// (at most EAGER_CREDITS).
+    stash: HashMap<(i32, u32), Vec<u8>>,
+    /// Eager credits to return.
+    owed: u32,
 }
 
 impl std::fmt::Debug for RecvComm {
@@ -86,6 +98,9 @@ impl RecvComm {
                 reqs,
                 seq: 0,
                 offsets,
+                next_idx: HashMap::new(),
+                stash: HashMap::new(),
+                owed: 0,
             }),
         })
     }
@@ -127,6 +142,8 @@ impl Receiver for RecvComm {
             n: bufs.len() as u8,
             caps: [0; MAX_RECVS],
             tags: [0; MAX_RECVS],
+            idxs: [0; MAX_RECVS],
+            data: [0; MAX_RECVS],
             sizes: [0; MAX_RECVS],
             landed: 0,
             sized: 0,
@@ -136,19 +153,38 @@ impl Receiver for RecvComm {
         for (i, b) in bufs.iter().enumerate() {
             req.caps[i] = b.size as u64;
             req.tags[i] = b.tag;
+            req.data[i] = b.data as usize;
         }
-        let Some((_, slot)) = st.reqs.insert(req) else {
+        if st.reqs.in_use() >= MAX_REQUESTS {
             st.progress(&self.seat)?;
             return Ok(None);
+        }
+        for (i, b) in bufs.iter().enumerate() {
+            let next = st.next_idx.entry(b.tag).or_insert(0);
+            req.idxs[i] = *next;
+            *next = next.wrapping_add(1);
+        }
+        let Some((_, slot)) = st.reqs.insert(req) else {
+            return Err(Error::system(
+                "irecv: the request pool is full though it had room",
+            ));
         };
+        // Eager messages that came first go straight in.
+        for (i, b) in bufs.iter().enumerate() {
+            if let Some(data) = st.stash.remove(&(b.tag, req.idxs[i])) {
+                st.fill(slot, i as u8, &data);
+            }
+        }
         let offsets = st.offsets;
         let rtr = Ctrl::Rtr {
             seq: st.seq,
             slot: slot as u8,
             bufs: bufs
                 .iter()
-                .map(|b| RtrBuf {
+                .zip(req.idxs)
+                .map(|(b, idx)| RtrBuf {
                     tag: b.tag,
+                    idx,
                     size: b.size as u64,
                     addr: if offsets {
                         (b.data as usize - b.base) as u64
@@ -264,6 +300,10 @@ impl Side for RecvState {
     }
     fn progress(&mut self, seat: &Seat) -> Result<()> {
         self.peer.flush(seat.ep())?;
+        if self.owed >= EAGER_CREDIT_BATCH {
+            let count = std::mem::take(&mut self.owed);
+            self.peer.send(seat.ep(), Ctrl::Credit { count })?;
+        }
         for ev in seat.poll()? {
             self.peer.link.heard = true;
             match ev {
@@ -295,6 +335,50 @@ impl RecvState {
         r
     }
 
+    /// Eager message `idx` of `tag`: into its receive if posted, else kept
+    /// until it is.
+    fn on_eager(&mut self, tag: i32, idx: u32, data: Vec<u8>) {
+        let live: Vec<u32> = self.reqs.live().collect();
+        let found = live.into_iter().find_map(|i| {
+            let r = *self.reqs.get_mut(i)?;
+            (0..r.n)
+                .find(|&s| {
+                    let s = usize::from(s);
+                    r.tags[s] == tag && r.idxs[s] == idx && r.sized & (1 << s) == 0
+                })
+                .map(|s| (i, s))
+        });
+        match found {
+            Some((slot, sub)) => self.fill(slot, sub, &data),
+            None if self.stash.len() < EAGER_CREDITS as usize => {
+                self.stash.insert((tag, idx), data);
+            }
+            None => tracing::warn!(
+                "receive comm from {}: dropped an eager message beyond its {EAGER_CREDITS} credits (tag {tag})",
+                self.peer.link.name
+            ),
+        }
+    }
+
+    /// Copies eager data into buffer `sub` of request `slot` (nothing past
+    /// it: a larger message is a truncation error) and owes a credit back.
+    fn fill(&mut self, slot: u32, sub: u8, data: &[u8]) {
+        self.owed += 1;
+        let Some(r) = self.reqs.get_mut(slot) else {
+            return;
+        };
+        let s = usize::from(sub);
+        if data.len() as u64 <= r.caps[s] && !data.is_empty() {
+            // SAFETY: NCCL keeps the buffer writable for its size until the
+            // request is reported done (its irecv contract); the data fits.
+            unsafe {
+                std::ptr::copy_nonoverlapping(data.as_ptr(), r.data[s] as *mut u8, data.len())
+            };
+        }
+        r.landed |= 1 << sub;
+        r.size(sub, data.len() as u64);
+    }
+
     fn on_landed(&mut self, slot: u8, sub: u8, size: Option<u64>) {
         if let Some(r) = self.buffer(slot, sub, "a write") {
             r.landed |= 1 << sub;
@@ -317,6 +401,7 @@ impl RecvState {
                     r.size(sub, size);
                 }
             }
+            Ok(Ctrl::Eager { tag, idx, data }) => self.on_eager(tag, idx, data),
             Ok(Ctrl::Trunc { slot, sub, size }) => {
                 if let Some(r) = self.buffer(slot, sub, "a truncation") {
                     r.trunc.get_or_insert((sub, size));

@@ -1,7 +1,7 @@
 //! The sending side: the connecting half of the handshake, the receiver's
 //! offers, and writes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::Instant;
@@ -9,6 +9,7 @@ use std::time::Instant;
 use libfabric_sys as fi;
 
 use super::super::ctrl::Peer;
+use super::super::ctrl::CTRL_TAG;
 use super::super::handshake::{Connecting, Phase};
 use super::super::hub::{context, immediate, NO_SIZE};
 use super::super::pool::Pool;
@@ -55,6 +56,13 @@ struct SendState {
     /// The Rtr expected next, and those that arrived ahead of it.
     next_seq: u32,
     early: BTreeMap<u32, (u8, Vec<RtrBuf>)>,
+    /// Messages sent so far per tag (the next message's number).
+    sent: HashMap<i32, u32>,
+    /// Eager messages the receiver still has room for, and its largest.
+    eager_credits: u32,
+    eager_max: usize,
+    /// Scratch for encoding an eager message.
+    scratch: Vec<u8>,
 }
 
 impl std::fmt::Debug for SendComm {
@@ -100,6 +108,10 @@ impl SendComm {
                 offers: VecDeque::with_capacity(MAX_REQUESTS * MAX_RECVS),
                 next_seq: 0,
                 early: BTreeMap::new(),
+                sent: HashMap::new(),
+                eager_credits: 0,
+                eager_max: 0,
+                scratch: Vec::new(),
             }),
         })
     }
@@ -162,31 +174,82 @@ impl Sender for SendComm {
             ));
         }
         st.peer.link.check()?;
-        let mut at = st.offers.iter().position(|o| o.buf.tag == tag);
+        let k = st.sent.get(&tag).copied().unwrap_or(0);
+        let mut at = st.offer(tag, k);
         if at.is_none() {
             st.progress(&self.seat)?;
-            at = st.offers.iter().position(|o| o.buf.tag == tag);
+            at = st.offer(tag, k);
+        }
+        // The receiver's size is known once offered: check it first.
+        if let Some(at) = at {
+            let o = st.offers[at];
+            if size as u64 > o.buf.size {
+                st.offers.remove(at);
+                st.sent.insert(tag, k.wrapping_add(1));
+                let trunc = Ctrl::Trunc {
+                    slot: o.slot,
+                    sub: o.sub,
+                    size: size as u64,
+                };
+                st.peer.send(self.seat.ep(), trunc)?;
+                return Err(truncation(
+                    "send",
+                    &st.peer.link.name,
+                    size as u64,
+                    tag,
+                    o.buf.size,
+                ));
+            }
+        }
+        // Small messages go eagerly, offered or not: one injected message,
+        // copied into the buffer at the receiver (a write costs more for
+        // small sizes: shm moves it by a system call, rxm by a rendezvous).
+        let eager =
+            size <= st.eager_max && st.eager_credits > 0 && st.reqs.in_use() < st.reqs.capacity();
+        if eager {
+            // SAFETY: NCCL guarantees `data..data+size` is readable (checked
+            // against its registration by the caller); it is copied now.
+            let bytes = unsafe { std::slice::from_raw_parts(data, size) };
+            let SendState { scratch, peer, .. } = &mut *st;
+            Ctrl::encode_eager(tag, k, bytes, scratch);
+            let ep = self.seat.ep();
+            let to = CTRL_TAG | u64::from(peer.id);
+            let sent = peer
+                .link
+                .peer
+                .send("fi_tinject", |a| ep.tinject(scratch, a, to));
+            match sent {
+                Ok(()) => {}
+                Err(e) if e.is_again() => {
+                    st.progress(&self.seat)?;
+                    return Ok(None);
+                }
+                Err(e) => {
+                    return Err(Error::remote(format!(
+                        "isend of {size} bytes to {} failed: {e}",
+                        st.peer.link.name
+                    )))
+                }
+            }
+            st.eager_credits -= 1;
+            st.sent.insert(tag, k.wrapping_add(1));
+            let (_, idx) = st
+                .reqs
+                .insert(SReq {
+                    size,
+                    done: true,
+                    err: None,
+                })
+                .expect("room checked above");
+            return Ok(Some(ReqId {
+                slot: idx,
+                gen: st.reqs.gen(idx),
+            }));
         }
         let Some(at) = at else {
             return Ok(None);
         };
         let o = st.offers[at];
-        if size as u64 > o.buf.size {
-            st.offers.remove(at);
-            let trunc = Ctrl::Trunc {
-                slot: o.slot,
-                sub: o.sub,
-                size: size as u64,
-            };
-            st.peer.send(self.seat.ep(), trunc)?;
-            return Err(truncation(
-                "send",
-                &st.peer.link.name,
-                size as u64,
-                tag,
-                o.buf.size,
-            ));
-        }
         let Some((_, idx)) = st.reqs.insert(SReq {
             size,
             done: size == 0,
@@ -232,6 +295,7 @@ impl Sender for SendComm {
             }
         }
         st.offers.remove(at);
+        st.sent.insert(tag, k.wrapping_add(1));
         if in_imm.is_none_or(|s| s >= u64::from(NO_SIZE)) {
             let wrote = Ctrl::Wrote {
                 slot: o.slot,
@@ -374,6 +438,16 @@ impl Side for SendState {
 }
 
 impl SendState {
+    /// Where in `offers` the buffer for message `k` of `tag` is; offers of
+    /// earlier messages of the tag (filled eagerly) are dropped.
+    fn offer(&mut self, tag: i32, k: u32) -> Option<usize> {
+        self.offers
+            .retain(|o| o.buf.tag != tag || o.buf.idx.wrapping_sub(k) < u32::MAX / 2);
+        self.offers
+            .iter()
+            .position(|o| o.buf.tag == tag && o.buf.idx == k)
+    }
+
     fn on_ctrl(&mut self, seat: &Seat, bytes: &[u8]) -> Result<()> {
         match Ctrl::decode(bytes) {
             Ok(Ctrl::Rtr { seq, slot, bufs }) if self.connect.phase() == Phase::Ready => {
@@ -399,7 +473,16 @@ impl SendState {
             }
             Ok(Ctrl::Alive) => {}
             Ok(Ctrl::Bye) => on_bye(self),
-            Ok(Ctrl::Ack { conn, id, addr, .. }) if self.connect.takes_ack(conn) => {
+            Ok(Ctrl::Credit { count }) => {
+                self.eager_credits = self.eager_credits.saturating_add(count).min(EAGER_CREDITS);
+            }
+            Ok(Ctrl::Ack {
+                conn,
+                id,
+                addr,
+                credits,
+                eager,
+            }) if self.connect.takes_ack(conn) => {
                 if id == 0 || id >= super::super::hub::MAX_ID {
                     tracing::warn!("send comm: ignored an Ack naming comm id {id}");
                     return Ok(());
@@ -409,6 +492,8 @@ impl SendState {
                     return Ok(());
                 }
                 self.peer.id = id;
+                self.eager_credits = credits.min(EAGER_CREDITS);
+                self.eager_max = (eager as usize).min(seat.hub.eager_max());
                 self.connect.connected();
                 // The first Alive confirms the connection to `accept`.
                 self.peer.send(seat.ep(), Ctrl::Alive).map_err(|e| {

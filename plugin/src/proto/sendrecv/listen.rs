@@ -97,6 +97,7 @@ impl ListenComm {
                     ack: Some(Ctrl::Ack {
                         conn,
                         credits: CREDITS,
+                        eager: 0,
                         id: 0,
                         addr: name,
                     }),
