@@ -377,3 +377,32 @@ fn shm_close_in_flight_two_processes() {
     weft_tests::isolated!();
     close_in_flight("shm");
 }
+
+/// The same under SENDRECV (the peer inherits the setting).
+#[test]
+fn tcp_dead_peer_fails_requests_in_flight_sendrecv() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_PROTOCOL", "sendrecv");
+    dead_peer_mid_transfer("tcp");
+}
+
+#[test]
+fn shm_dead_peer_fails_requests_in_flight_sendrecv() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_PROTOCOL", "sendrecv");
+    dead_peer_mid_transfer("shm");
+}
+
+#[test]
+fn tcp_close_in_flight_two_processes_sendrecv() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_PROTOCOL", "sendrecv");
+    close_in_flight("tcp");
+}
+
+#[test]
+fn shm_close_in_flight_two_processes_sendrecv() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_PROTOCOL", "sendrecv");
+    close_in_flight("shm");
+}

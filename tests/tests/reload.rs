@@ -8,9 +8,14 @@ use std::process::Command;
 const DEMO: &str = env!("CARGO_BIN_EXE_weft-demo");
 
 fn reload(version: u32, provider: &str) {
+    reload_with(version, provider, "rdma");
+}
+
+fn reload_with(version: u32, provider: &str, protocol: &str) {
     let out = Command::new(DEMO)
         .args(["--reload", &version.to_string(), "--cycles", "3"])
         .args(["--messages", "8", "--provider", provider])
+        .env("WEFT_PROTOCOL", protocol)
         .output()
         .expect("run weft-demo --reload");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -45,4 +50,14 @@ fn v11_reloads_over_shm() {
 #[test]
 fn v12_reloads_over_shm() {
     reload(12, "shm");
+}
+
+#[test]
+fn v12_reloads_over_tcp_sendrecv() {
+    reload_with(12, "tcp", "sendrecv");
+}
+
+#[test]
+fn v12_reloads_over_shm_sendrecv() {
+    reload_with(12, "shm", "sendrecv");
 }

@@ -107,6 +107,20 @@ fn shm_eight_pairs_four_threads_with_registration_alongside() {
     run("shm");
 }
 
+#[test]
+fn tcp_eight_pairs_four_threads_sendrecv() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_PROTOCOL", "sendrecv");
+    run("tcp");
+}
+
+#[test]
+fn shm_eight_pairs_four_threads_sendrecv() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_PROTOCOL", "sendrecv");
+    run("shm");
+}
+
 fn run(provider: &str) {
     let ctx = host::init(provider);
     let pairs: Vec<Pair> = (0..PAIRS)
