@@ -570,13 +570,7 @@ pub struct RecvArg {
 /// writable until the request is reported done (each range is checked
 /// against its handle; that it is writable is NCCL's promise).
 pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c_void>> {
-    if args.is_empty() || args.len() > props::MAX_RECVS {
-        return Err(Error::internal(format!(
-            "irecv with n = {}: must be 1 ..= {}",
-            args.len(),
-            props::MAX_RECVS
-        )));
-    }
+    proto::check_recv_count(args.len())?;
     let (serial, r) = REG.recv.get_with_serial(comm).ok_or_else(|| {
         Error::internal(format!("irecv: {comm:p} is not a live Weft receive comm"))
     })?;

@@ -192,6 +192,71 @@ impl Connecting {
     }
 }
 
+impl<T, A> Handshakes<T, A> {
+    /// [`Handshakes::admit`], with the WARN an eviction deserves.
+    pub(crate) fn admit_logged(&mut self, p: Pending<T, A>, dev: usize) {
+        if self.admit(p).is_some() {
+            tracing::warn!(
+                "listener on device {dev}: {MAX_PENDING} handshakes pending; dropped the oldest for a new one \
+                 (NCCL connects one peer per listener: is something sending forged connection requests?)"
+            );
+        }
+    }
+}
+
+/// The WARN for a message at a listener that is not a Conn for it.
+pub(crate) fn ignored_at_listener(
+    dev: usize,
+    msg: std::result::Result<super::wire::Ctrl, super::wire::CtrlError>,
+) {
+    match msg {
+        Ok(super::wire::Ctrl::Conn { listener, .. }) => tracing::warn!(
+            "listener on device {dev}: ignored a connection meant for listener {listener:#x} (stale handle?)"
+        ),
+        Ok(other) => tracing::warn!("listener: ignored unexpected control message {other:?}"),
+        Err(e) => {
+            tracing::warn!("listener on device {dev}: ignored a bad handshake message: {e}")
+        }
+    }
+}
+
+/// One `connect` step of either protocol, its I/O given as closures over
+/// the comm's state `st`: sends the Conn when due (`send_conn`; "not now"
+/// is no error), reads what came back (`progress`), and reports
+/// `Ok(true)` once connected, or an error once `timeout` passed unanswered.
+pub(crate) fn connect_step<S>(
+    st: &mut S,
+    connecting: impl Fn(&mut S) -> &mut Connecting,
+    send_conn: impl FnOnce(&mut S) -> std::result::Result<(), crate::fabric::FiError>,
+    progress: impl FnOnce(&mut S) -> crate::error::Result<()>,
+    timeout: Duration,
+) -> crate::error::Result<bool> {
+    use crate::error::Error;
+    let now = Instant::now();
+    if connecting(st).conn_due(now) {
+        match send_conn(st) {
+            Ok(()) => connecting(st).conn_sent(now),
+            Err(e) if e.is_again() => {}
+            Err(e) => {
+                return Err(Error::remote(format!(
+                    "connect: cannot reach the listener: {e}"
+                )))
+            }
+        }
+    }
+    progress(st)?;
+    if connecting(st).phase() == Phase::Ready {
+        return Ok(true);
+    }
+    if connecting(st).expired(Instant::now()) {
+        return Err(Error::remote(format!(
+            "connect: no answer from the listener within {:.1} s (WEFT_PEER_TIMEOUT): is the peer process alive and using the same Weft?",
+            timeout.as_secs_f64()
+        )));
+    }
+    Ok(false)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

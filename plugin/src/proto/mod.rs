@@ -27,6 +27,7 @@ pub mod hub;
 pub mod pool;
 pub mod rdma;
 pub mod sendrecv;
+pub(crate) mod sync;
 pub mod wire;
 
 pub use handshake::MAX_PENDING;
@@ -124,6 +125,16 @@ pub struct ReqId {
     pub slot: u32,
     /// The slot's generation when the request was made.
     pub gen: u32,
+}
+
+/// Checks `n` of a grouped receive: 1 ..= [`MAX_RECVS`] (NCCL's `maxRecvs`).
+pub fn check_recv_count(n: usize) -> Result<()> {
+    if n == 0 || n > MAX_RECVS {
+        return Err(crate::error::Error::internal(format!(
+            "irecv with n = {n}: must be 1 ..= {MAX_RECVS} (maxRecvs)"
+        )));
+    }
+    Ok(())
 }
 
 /// A protocol: makes the comms of a device.

@@ -144,6 +144,15 @@ impl<T: Copy> Pool<T> {
             .map(|(i, _)| i as u32)
     }
 
+    /// Applies `fail` to every live slot; returns for how many it said true
+    /// (a request that was still in flight and is now failed).
+    pub fn fail_live(&mut self, mut fail: impl FnMut(&mut T) -> bool) -> usize {
+        let live: Vec<u32> = self.live().collect();
+        live.into_iter()
+            .filter(|&i| self.get_mut(i).is_some_and(&mut fail))
+            .count()
+    }
+
     /// Slots in all.
     pub fn capacity(&self) -> usize {
         self.live.len()

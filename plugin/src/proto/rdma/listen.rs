@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::super::handshake::{Handshakes, Pending, Step, MAX_PENDING};
+use super::super::handshake::{self, Handshakes, Pending, Step};
 use super::super::sendrecv::nonce;
 use super::super::wire::{Ctrl, ListenHandle, PROTO_RDMA};
 use super::super::{Comm, Listener, Receiver};
@@ -85,26 +85,17 @@ impl ListenComm {
                         return Ok(());
                     }
                 };
-                let evicted = book.admit(Pending {
-                    comm,
-                    conn,
-                    ack: Some(ack),
-                    deadline: Instant::now() + self.dev.peer_timeout,
-                });
-                if evicted.is_some() {
-                    tracing::warn!(
-                        "listener on device {dev}: {MAX_PENDING} handshakes pending; dropped the oldest for a new one \
-                         (NCCL connects one peer per listener: is something sending forged connection requests?)"
-                    );
-                }
+                book.admit_logged(
+                    Pending {
+                        comm,
+                        conn,
+                        ack: Some(ack),
+                        deadline: Instant::now() + self.dev.peer_timeout,
+                    },
+                    dev,
+                );
             }
-            Ok(Ctrl::Conn { listener, .. }) => tracing::warn!(
-                "listener on device {dev}: ignored a connection meant for listener {listener:#x} (stale handle?)"
-            ),
-            Ok(other) => tracing::warn!("listener: ignored unexpected control message {other:?}"),
-            Err(e) => {
-                tracing::warn!("listener on device {dev}: ignored a bad handshake message: {e}")
-            }
+            other => handshake::ignored_at_listener(dev, other),
         }
         Ok(())
     }

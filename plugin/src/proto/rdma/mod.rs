@@ -47,13 +47,15 @@
 
 use std::collections::VecDeque;
 use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::ctrl::{send_ctrl_to, silent_peer, warn_dead, Link};
 use super::hub::{Ev, Hub, Inbox, Port};
+use super::pool::Pool;
+use super::sync::{hold, keeper_lock, lock, try_lock};
 use super::wire::{Ctrl, ListenHandle, PROTO_RDMA};
-use super::{heartbeat_period, DeviceState, Listener, Protocol, Sender};
+use super::{heartbeat_period, DeviceState, Listener, Protocol, ReqId, Sender};
 use crate::error::{Error, Result};
 use crate::fabric::Endpoint;
 
@@ -248,36 +250,48 @@ fn keepalive<S: Side>(st: &mut S, seat: &Seat, timeout: std::time::Duration, now
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The data path's way in: `None` while another thread holds the comm (the
-/// call answers "not yet").
-fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
-    match m.try_lock() {
-        Ok(g) => Some(g),
-        Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
-        Err(TryLockError::WouldBlock) => None,
+/// `test`'s common part: request `id` of `reqs` (a live one of the slot's
+/// current generation, else an error), progressing once if it is not yet
+/// `done`; `Some(copy)` once done, and then its slot is freed.
+fn take_done<S: Side, R: Copy>(
+    st: &mut S,
+    seat: &Seat,
+    id: ReqId,
+    what: &str,
+    reqs: fn(&mut S) -> &mut Pool<R>,
+    done: fn(&S, &R) -> bool,
+) -> Result<Option<R>> {
+    let current = reqs(st).is_current(id.slot, id.gen);
+    let r = reqs(st)
+        .get_mut(id.slot)
+        .filter(|_| current)
+        .copied()
+        .ok_or_else(|| {
+            Error::internal(format!(
+                "test: not a live {what} request (already completed and reported, or a stale pointer)"
+            ))
+        })?;
+    if !done(st, &r) {
+        st.progress(seat)?;
     }
-}
-
-/// The keeper's way in: a few tries, then the comm is skipped for a tick.
-fn keeper_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
-    for _ in 0..64 {
-        if let Some(g) = try_lock(m) {
-            return Some(g);
-        }
-        std::thread::yield_now();
+    let r = *reqs(st).get_mut(id.slot).expect("checked live above");
+    if !done(st, &r) {
+        return Ok(None);
     }
-    None
+    reqs(st).release(id.slot);
+    Ok(Some(r))
 }
 
-/// Holds a comm's lock until `release` fires (test hook).
-fn hold<S>(m: &Mutex<S>, held: &Tx<()>, release: &Rx<()>) {
-    let _st = lock(m);
-    let _ = held.send(());
-    let _ = release.recv();
+/// A heartbeat tick through a comm's lock; skipped while the comm is busy.
+fn keepalive_locked<S: Side>(
+    m: &Mutex<S>,
+    seat: &Seat,
+    timeout: std::time::Duration,
+    now: Instant,
+) {
+    if let Some(mut st) = keeper_lock(m) {
+        keepalive(&mut *st, seat, timeout, now);
+    }
 }
 
 /// The error a request of a dead peer's comm reports.

@@ -128,12 +128,7 @@ impl RecvComm {
 
 impl Receiver for RecvComm {
     unsafe fn irecv(&self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
-        if bufs.is_empty() || bufs.len() > MAX_RECVS {
-            return Err(Error::internal(format!(
-                "irecv with n = {}: must be 1 ..= {MAX_RECVS} (maxRecvs)",
-                bufs.len()
-            )));
-        }
+        super::super::check_recv_count(bufs.len())?;
         let Some(mut st) = try_lock(&self.inner) else {
             return Ok(None);
         };
@@ -216,25 +211,17 @@ impl Comm for RecvComm {
         let Some(mut st) = try_lock(&self.inner) else {
             return Ok(None);
         };
-        let current = st.reqs.is_current(id.slot, id.gen);
-        let unfinished = st
-            .reqs
-            .get_mut(id.slot)
-            .filter(|_| current)
-            .map(|r| !r.finished())
-            .ok_or_else(|| {
-                Error::internal(
-                    "test: not a live receive request (already completed and reported, or a stale pointer)",
-                )
-            })?;
-        if unfinished {
-            st.progress(&self.seat)?;
-        }
-        let r = *st.reqs.get_mut(id.slot).expect("checked live above");
-        if !r.finished() {
+        let Some(r) = take_done(
+            &mut *st,
+            &self.seat,
+            id,
+            "receive",
+            |st| &mut st.reqs,
+            |_, r| r.finished(),
+        )?
+        else {
             return Ok(None);
-        }
-        st.reqs.release(id.slot);
+        };
         if r.dead {
             return Err(dead_error(&st.peer.link));
         }
@@ -254,9 +241,7 @@ impl Comm for RecvComm {
         }))
     }
     fn keepalive(&self, now: Instant) {
-        if let Some(mut st) = keeper_lock(&self.inner) {
-            keepalive(&mut *st, &self.seat, self.dev.peer_timeout, now);
-        }
+        keepalive_locked(&self.inner, &self.seat, self.dev.peer_timeout, now);
     }
     fn peer_name(&self) -> String {
         lock(&self.inner).peer.link.name.clone()
@@ -286,17 +271,11 @@ impl Side for RecvState {
         self.peer.id != 0
     }
     fn fail_all(&mut self) -> usize {
-        let live: Vec<u32> = self.reqs.live().collect();
-        let mut n = 0;
-        for i in live {
-            if let Some(r) = self.reqs.get_mut(i) {
-                if !r.finished() {
-                    r.dead = true;
-                    n += 1;
-                }
-            }
-        }
-        n
+        self.reqs.fail_live(|r| {
+            let was = !r.finished();
+            r.dead |= was;
+            was
+        })
     }
     fn progress(&mut self, seat: &Seat) -> Result<()> {
         self.peer.flush(seat.ep())?;

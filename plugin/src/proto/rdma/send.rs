@@ -10,7 +10,7 @@ use libfabric_sys as fi;
 
 use super::super::ctrl::Peer;
 use super::super::ctrl::CTRL_TAG;
-use super::super::handshake::{Connecting, Phase};
+use super::super::handshake::{self, Connecting, Phase};
 use super::super::hub::{context, immediate, NO_SIZE};
 use super::super::pool::Pool;
 use super::super::sendrecv::nonce;
@@ -124,35 +124,22 @@ impl Sender for SendComm {
 
     fn step_connect(&self) -> Result<bool> {
         let mut st = lock(&self.inner);
-        let now = Instant::now();
-        if st.connect.conn_due(now) {
-            let msg = Ctrl::Conn {
-                listener: self.listener_nonce,
-                conn: st.connect.conn(),
-                id: self.seat.id,
-                addr: self.seat.hub.name(Port::Active).to_vec(),
-            };
-            match send_ctrl_to(self.seat.ep(), &st.listener, st.listener_id, &msg) {
-                Ok(()) => st.connect.conn_sent(now),
-                Err(e) if e.is_again() => {}
-                Err(e) => {
-                    return Err(Error::remote(format!(
-                        "connect: cannot reach the listener: {e}"
-                    )))
-                }
-            }
-        }
-        st.progress(&self.seat)?;
-        if st.connect.phase() == Phase::Ready {
-            return Ok(true);
-        }
-        if st.connect.expired(Instant::now()) {
-            return Err(Error::remote(format!(
-                "connect: no answer from the listener within {:.1} s (WEFT_PEER_TIMEOUT): is the peer process alive and using the same Weft?",
-                self.dev.peer_timeout.as_secs_f64()
-            )));
-        }
-        Ok(false)
+        let seat = &self.seat;
+        handshake::connect_step(
+            &mut *st,
+            |st| &mut st.connect,
+            |st| {
+                let msg = Ctrl::Conn {
+                    listener: self.listener_nonce,
+                    conn: st.connect.conn(),
+                    id: seat.id,
+                    addr: seat.hub.name(Port::Active).to_vec(),
+                };
+                send_ctrl_to(seat.ep(), &st.listener, st.listener_id, &msg)
+            },
+            |st| st.progress(seat),
+            self.dev.peer_timeout,
+        )
     }
 
     /// `Ok(None)` until the receiver offered a buffer for `tag`, while the
@@ -321,28 +308,20 @@ impl Comm for SendComm {
         let Some(mut st) = try_lock(&self.inner) else {
             return Ok(None);
         };
-        let current = st.reqs.is_current(id.slot, id.gen);
-        let unfinished = st
-            .reqs
-            .get_mut(id.slot)
-            .filter(|_| current)
-            .map(|r| !r.done)
-            .ok_or_else(|| {
-                Error::internal(
-                    "test: not a live send request (already completed and reported, or a stale pointer)",
-                )
-            })?;
-        if unfinished || !st.peer.owed.is_empty() {
-            st.progress(&self.seat)?;
-        }
-        let r = *st.reqs.get_mut(id.slot).expect("checked live above");
         // A send is done once its write completed and its Wrote went out:
         // NCCL may never call into this comm again, and the receiver waits
         // for both.
-        if !r.done || (!st.peer.owed.is_empty() && st.peer.link.dead.is_none()) {
+        let Some(r) = take_done(
+            &mut *st,
+            &self.seat,
+            id,
+            "send",
+            |st| &mut st.reqs,
+            |st, r| r.done && (st.peer.owed.is_empty() || st.peer.link.dead.is_some()),
+        )?
+        else {
             return Ok(None);
-        }
-        st.reqs.release(id.slot);
+        };
         match r.err {
             None => {
                 let mut sizes = [0; MAX_RECVS];
@@ -363,9 +342,7 @@ impl Comm for SendComm {
         }
     }
     fn keepalive(&self, now: Instant) {
-        if let Some(mut st) = keeper_lock(&self.inner) {
-            keepalive(&mut *st, &self.seat, self.dev.peer_timeout, now);
-        }
+        keepalive_locked(&self.inner, &self.seat, self.dev.peer_timeout, now);
     }
     fn peer_name(&self) -> String {
         lock(&self.inner).peer.link.name.clone()
@@ -395,18 +372,14 @@ impl Side for SendState {
         self.connect.phase() == Phase::Ready
     }
     fn fail_all(&mut self) -> usize {
-        let live: Vec<u32> = self.reqs.live().collect();
-        let mut n = 0;
-        for i in live {
-            if let Some(r) = self.reqs.get_mut(i) {
-                if !r.done {
-                    r.done = true;
-                    r.err = Some(0);
-                    n += 1;
-                }
+        self.reqs.fail_live(|r| {
+            let was = !r.done;
+            if was {
+                r.done = true;
+                r.err = Some(0);
             }
-        }
-        n
+            was
+        })
     }
     fn progress(&mut self, seat: &Seat) -> Result<()> {
         self.peer.flush(seat.ep())?;

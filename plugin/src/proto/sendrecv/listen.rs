@@ -91,32 +91,23 @@ impl ListenComm {
                     }
                     rs.ep.name()?
                 };
-                let evicted = st.book.admit(Pending {
-                    comm,
-                    conn,
-                    ack: Some(Ctrl::Ack {
+                st.book.admit_logged(
+                    Pending {
+                        comm,
                         conn,
-                        credits: CREDITS,
-                        eager: 0,
-                        id: 0,
-                        addr: name,
-                    }),
-                    deadline: Instant::now() + self.dev.peer_timeout,
-                });
-                if evicted.is_some() {
-                    tracing::warn!(
-                        "listener on device {dev}: {MAX_PENDING} handshakes pending; dropped the oldest for a new one \
-                         (NCCL connects one peer per listener: is something sending forged connection requests?)"
-                    );
-                }
+                        ack: Some(Ctrl::Ack {
+                            conn,
+                            credits: CREDITS,
+                            eager: 0,
+                            id: 0,
+                            addr: name,
+                        }),
+                        deadline: Instant::now() + self.dev.peer_timeout,
+                    },
+                    dev,
+                );
             }
-            Ok(Ctrl::Conn { listener, .. }) => tracing::warn!(
-                "listener on device {dev}: ignored a connection meant for listener {listener:#x} (stale handle?)"
-            ),
-            Ok(other) => tracing::warn!("listener: ignored unexpected control message {other:?}"),
-            Err(e) => tracing::warn!(
-                "listener on device {dev}: ignored a bad handshake message: {e}"
-            ),
+            other => handshake::ignored_at_listener(dev, other),
         }
         Ok(())
     }

@@ -87,15 +87,6 @@ pub(super) fn keepalive<S: Side>(st: &mut S, timeout: Duration, now: Instant) {
     }
 }
 
-/// Holds a comm's state lock until `release` fires (or its sender goes),
-/// signalling `held` once it is held: what a keeper stuck inside the
-/// provider does. For tests of the data path's independence.
-pub(super) fn hold<S>(m: &Mutex<S>, held: &Tx<()>, release: &Rx<()>) {
-    let _st = lock(m);
-    let _ = held.send(());
-    let _ = release.recv();
-}
-
 /// A heartbeat tick through a comm's state lock; skipped while busy.
 pub(super) fn keepalive_locked<S: Side>(m: &Mutex<S>, timeout: Duration, now: Instant) {
     if let Some(mut st) = keeper_lock(m) {

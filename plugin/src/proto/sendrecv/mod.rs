@@ -43,7 +43,7 @@
 use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use libfabric_sys as fi;
@@ -51,10 +51,11 @@ use libfabric_sys as fi;
 use super::ctrl::{send_ctrl, silent_peer, warn_dead, CtrlBufs, Link, Peer};
 use super::handshake::{self, Connecting, Handshakes, Phase, Step};
 use super::pool::{Pool, SLOT_ALIGN};
+use super::sync::{hold, keeper_lock, lock, try_lock};
 use super::wire::{Ctrl, ListenHandle};
 use super::{
     heartbeat_period, Comm, DeviceState, Done, Listener, Protocol, Receiver, RecvBuf, ReqId,
-    Sender, MAX_PENDING, MAX_RECVS, MAX_REQUESTS,
+    Sender, MAX_RECVS, MAX_REQUESTS,
 };
 use crate::error::{Error, Result};
 use crate::fabric::{Completion, CompletionError, Endpoint};
@@ -84,8 +85,6 @@ pub const CREDITS: u32 = (MAX_REQUESTS * MAX_RECVS) as u32 + CREDIT_BATCH;
 const CTRL_POSTED: usize = 4;
 /// `ReqErr::fi_err` of requests failed because their peer died.
 const PEER_DEAD: u32 = 0;
-/// How often a comm's lock is tried before the keeper skips it for a tick.
-const KEEPER_TRIES: u32 = 64;
 
 /// The SENDRECV protocol.
 #[derive(Debug, Clone, Copy)]
@@ -110,34 +109,6 @@ impl Protocol for SendRecv {
     ) -> Result<Arc<dyn Sender>> {
         Ok(Arc::new(SendComm::start(dev, handle, traffic_class)?))
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A comm's state for a data-path call (`isend`, `irecv`, `test`), or `None`
-/// while another thread holds it: the call then answers "not yet" (a NULL
-/// request, not done) instead of waiting, so NCCL's progress thread never
-/// blocks behind the keeper, even one stuck inside the provider.
-fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
-    match m.try_lock() {
-        Ok(g) => Some(g),
-        Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
-        Err(TryLockError::WouldBlock) => None,
-    }
-}
-
-/// The keeper's way in: a few tries, then the comm is skipped for this tick
-/// (NCCL's thread is using it, and what it does keeps the peer informed).
-fn keeper_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
-    for _ in 0..KEEPER_TRIES {
-        if let Some(g) = try_lock(m) {
-            return Some(g);
-        }
-        std::thread::yield_now();
-    }
-    None
 }
 
 /// Send and receive comms: a device and a state behind one lock. What

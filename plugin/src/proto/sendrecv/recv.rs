@@ -49,12 +49,7 @@ impl Receiver for RecvComm {
     /// `Ok(None)` when all requests are in use, or while another thread
     /// holds the comm.
     unsafe fn irecv(&self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
-        if bufs.is_empty() || bufs.len() > MAX_RECVS {
-            return Err(Error::internal(format!(
-                "irecv with n = {}: must be 1 ..= {MAX_RECVS} (maxRecvs)",
-                bufs.len()
-            )));
-        }
+        super::super::check_recv_count(bufs.len())?;
         let Some(mut st) = try_lock(&self.inner) else {
             return Ok(None);
         };

@@ -81,35 +81,21 @@ impl Sender for SendComm {
 
     fn step_connect(&self) -> Result<bool> {
         let mut st = lock(&self.inner);
-        let now = Instant::now();
-        if st.connect.conn_due(now) {
-            let msg = Ctrl::Conn {
-                listener: st.listener_nonce,
-                conn: st.connect.conn(),
-                id: 0,
-                addr: st.ep.name()?,
-            };
-            match send_ctrl(&st.ep, &st.listener, &msg) {
-                Ok(()) => st.connect.conn_sent(now),
-                Err(e) if e.is_again() => {}
-                Err(e) => {
-                    return Err(Error::remote(format!(
-                        "connect: cannot reach the listener: {e}"
-                    )))
-                }
-            }
-        }
-        st.progress()?;
-        if st.connect.phase() == Phase::Ready {
-            return Ok(true);
-        }
-        if st.connect.expired(Instant::now()) {
-            return Err(Error::remote(format!(
-                "connect: no answer from the listener within {:.1} s (WEFT_PEER_TIMEOUT): is the peer process alive and using the same Weft?",
-                self.dev.peer_timeout.as_secs_f64()
-            )));
-        }
-        Ok(false)
+        handshake::connect_step(
+            &mut *st,
+            |st| &mut st.connect,
+            |st| {
+                let msg = Ctrl::Conn {
+                    listener: st.listener_nonce,
+                    conn: st.connect.conn(),
+                    id: 0,
+                    addr: st.ep.name()?,
+                };
+                send_ctrl(&st.ep, &st.listener, &msg)
+            },
+            SendState::progress,
+            self.dev.peer_timeout,
+        )
     }
 
     /// `Ok(None)` when out of credits or requests, or while another
