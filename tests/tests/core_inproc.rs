@@ -625,3 +625,36 @@ fn shm_eager_sends_are_bounded_by_credits() {
     weft_tests::isolated!();
     eager_sends_are_bounded_by_credits("shm");
 }
+
+/// Protocol selection on what the devices offer: forcing rdma where a device
+/// lacks FI_RMA or 4 bytes of remote CQ data is an error naming what is
+/// missing; `auto` then falls back to sendrecv and says why; where they
+/// offer it, both `auto` and `rdma` pick rdma. (Every provider here offers
+/// FI_RMA, so the lacking device is the real tcp device with its offer
+/// taken away.)
+#[test]
+fn protocol_selection_follows_what_the_provider_offers() {
+    use weft::config::{Config, Protocol as P};
+    weft_tests::isolated!();
+    configure("tcp");
+    let config = Config::from_env().unwrap();
+    let mut devices = weft::device::discover(&config).unwrap();
+    for setting in [P::Auto, P::Rdma] {
+        let (p, why) = weft::proto::choose(setting, &devices).unwrap();
+        assert_eq!(p.name(), "rdma", "{why}");
+        assert!(why.contains("FI_RMA"), "{why}");
+    }
+    devices[0].rma.cq_data_size = 0;
+    let e = weft::proto::choose(P::Rdma, &devices).expect_err("refused");
+    assert!(
+        e.contains("WEFT_PROTOCOL=rdma") && e.contains("remote CQ data"),
+        "{e}"
+    );
+    let (p, why) = weft::proto::choose(P::Auto, &devices).unwrap();
+    assert_eq!(p.name(), "sendrecv", "{why}");
+    devices[0].rma.offered = false;
+    let e = weft::proto::choose(P::Rdma, &devices).expect_err("refused");
+    assert!(e.contains("does not offer FI_RMA"), "{e}");
+    let (p, _) = weft::proto::choose(P::SendRecv, &devices).unwrap();
+    assert_eq!(p.name(), "sendrecv");
+}

@@ -12,19 +12,21 @@
 //! confirms, and `accept` hands the comm to NCCL.
 //!
 //! **Data.** For each `irecv` (grouped, n <= 8) the receiver sends the
-//! sender `Rtr{seq, slot, [tag, size, address, key] per buffer}`. The
-//! sender matches an `isend` to the oldest offered buffer with its tag
-//! (NCCL's per-tag order); until one is offered it returns a NULL request,
-//! as NCCL allows. It checks the size against the offer: a larger message is
+//! sender `Rtr{seq, slot, [tag, number, size, address, key] per buffer}`,
+//! where a buffer's number counts the receives of its tag. The sender gives
+//! the k-th `isend` of a tag the buffer numbered k (NCCL's per-tag order);
+//! until it is offered (and the message is not eager) it returns a NULL
+//! request, as NCCL allows. It checks the size against the offer: a larger message is
 //! an error on both sides (`Trunc` tells the receiver) and nothing is
-//! written. Otherwise it writes the data with `fi_writedata`, whose 32-bit
-//! immediate names the receive comm (24 bits), the request slot (5) and the
-//! buffer (3), and sends `Wrote{slot, buffer, size}`. A receive buffer is
-//! done when both arrived: the immediate says the bytes landed (on tcp a
-//! write that completed at the sender may not have), the message says how
-//! many (a remote write's completion length is 0 on tcp;ofi_rxm). No order
-//! between the two is assumed, nor between messages beyond what `seq`
-//! restores.
+//! written. Otherwise it writes the data with `fi_writedata`, whose low
+//! 32 bits of immediate name the receive comm (24 bits), the request slot
+//! (5) and the buffer (3). A receive buffer is done when the immediate
+//! arrived (the bytes landed: on tcp a write that completed at the sender
+//! may not have) and its size is known: from the immediate's upper 32 bits
+//! where the provider gives 8 bytes of CQ data, else from a
+//! `Wrote{slot, buffer, size}` message; never from the completion's length
+//! (0 for a remote write on tcp;ofi_rxm). No order between the two is
+//! assumed, nor between messages beyond what `seq` restores.
 //!
 //! **Eager.** Sends and receives are numbered per tag; each offered buffer
 //! carries its number. A message that fits the provider's inject size (and
