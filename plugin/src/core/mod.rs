@@ -575,15 +575,7 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
         Error::internal(format!("irecv: {comm:p} is not a live Weft receive comm"))
     })?;
     let dev = r.comm.dev().index;
-    let mut bufs = [RecvBuf {
-        data: std::ptr::null_mut(),
-        size: 0,
-        tag: 0,
-        desc: std::ptr::null_mut(),
-        key: 0,
-        base: 0,
-        phandle: std::ptr::null_mut(),
-    }; props::MAX_RECVS];
+    let mut bufs = [RecvBuf::EMPTY; props::MAX_RECVS];
     for (b, a) in bufs.iter_mut().zip(args) {
         let (desc, key, base) = desc_for(a.mhandle, dev, a.data.cast(), a.size, "irecv")?;
         *b = RecvBuf {

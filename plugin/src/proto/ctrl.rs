@@ -268,6 +268,15 @@ impl Link {
         }
     }
 
+    /// The error a request reports once the peer was declared dead.
+    pub(crate) fn dead_error(&self) -> Error {
+        Error::remote(format!(
+            "peer {} declared dead: {}",
+            self.name,
+            self.dead.as_deref().unwrap_or("no reason recorded")
+        ))
+    }
+
     /// Whether `Alive` is due at `now`, one heartbeat `period` after the last.
     pub(crate) fn alive_due(&self, now: Instant, period: std::time::Duration) -> bool {
         self.last_said

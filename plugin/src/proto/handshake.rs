@@ -19,6 +19,19 @@ pub const MAX_PENDING: usize = 4;
 /// `Conn` is ignored).
 pub(crate) const ACCEPTED_MEMORY: usize = 16;
 
+/// A random 64-bit nonce from the kernel.
+pub(crate) fn nonce() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most b.len() bytes into `b`.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != 8 {
+        // Fall back on time and address entropy; nonces only need to differ.
+        let t = Instant::now().elapsed().as_nanos() as u64 ^ (std::process::id() as u64) << 32;
+        return t ^ (&b as *const _ as u64);
+    }
+    u64::from_le_bytes(b)
+}
+
 /// One handshake in progress: the comm being set up for it (`T`), the
 /// connecting side's nonce, its Ack until sent (`A`), and its deadline.
 #[derive(Debug)]

@@ -102,6 +102,19 @@ pub struct RecvBuf {
     pub phandle: *mut c_void,
 }
 
+impl RecvBuf {
+    /// No buffer (fills the unused entries of a grouped receive).
+    pub const EMPTY: RecvBuf = RecvBuf {
+        data: std::ptr::null_mut(),
+        size: 0,
+        tag: 0,
+        desc: std::ptr::null_mut(),
+        key: 0,
+        base: 0,
+        phandle: std::ptr::null_mut(),
+    };
+}
+
 // SAFETY: the pointers are addresses of NCCL's buffers, descriptors and
 // profiler handles, only handed to libfabric or back to NCCL, never
 // dereferenced by Weft; they are valid from any thread.

@@ -3,8 +3,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::super::handshake::{self, Handshakes, Pending, Step};
-use super::super::sendrecv::nonce;
+use super::super::handshake::{self, nonce, Handshakes, Pending, Step};
 use super::super::wire::{Ctrl, ListenHandle, PROTO_RDMA};
 use super::super::{Comm, Listener, Receiver};
 use super::*;

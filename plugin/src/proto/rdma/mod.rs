@@ -296,15 +296,6 @@ fn keepalive_locked<S: Side>(
     }
 }
 
-/// The error a request of a dead peer's comm reports.
-fn dead_error(link: &Link) -> Error {
-    Error::remote(format!(
-        "peer {} declared dead: {}",
-        link.name,
-        link.dead.as_deref().unwrap_or("no reason recorded")
-    ))
-}
-
 /// The truncation error, worded for the side that reports it.
 fn truncation(side: &str, peer: &str, size: u64, tag: i32, cap: u64) -> Error {
     let msg = format!(

@@ -223,7 +223,7 @@ impl Comm for RecvComm {
             return Ok(None);
         };
         if r.dead {
-            return Err(dead_error(&st.peer.link));
+            return Err(st.peer.link.dead_error());
         }
         if let Some((sub, size)) = r.trunc {
             let s = usize::from(sub);

@@ -10,10 +10,9 @@ use libfabric_sys as fi;
 
 use super::super::ctrl::Peer;
 use super::super::ctrl::CTRL_TAG;
-use super::super::handshake::{self, Connecting, Phase};
+use super::super::handshake::{self, nonce, Connecting, Phase};
 use super::super::hub::{context, immediate, NO_SIZE};
 use super::super::pool::Pool;
-use super::super::sendrecv::nonce;
 use super::super::wire::RtrBuf;
 use super::super::{Comm, Done, ReqId, MAX_RECVS, MAX_REQUESTS};
 use super::*;
@@ -328,7 +327,7 @@ impl Comm for SendComm {
                 sizes[0] = r.size;
                 Ok(Some(Done { n: 1, sizes }))
             }
-            Some(0) => Err(dead_error(&st.peer.link)),
+            Some(0) => Err(st.peer.link.dead_error()),
             Some(e) => {
                 let msg = format!(
                     "send of {} bytes to peer {} failed: {} (fi errno {e})",

@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 use libfabric_sys as fi;
 
 use super::ctrl::{send_ctrl, silent_peer, warn_dead, CtrlBufs, Link, Peer};
-use super::handshake::{self, Connecting, Handshakes, Phase, Step};
+use super::handshake::{self, nonce, Connecting, Handshakes, Phase, Step};
 use super::pool::{Pool, SLOT_ALIGN};
 use super::sync::{hold, keeper_lock, lock, try_lock};
 use super::wire::{Ctrl, ListenHandle};
@@ -138,19 +138,6 @@ impl<T: Locked> Comm for T {
     fn endpoint_open(&self) -> bool {
         !lock(self.state()).parts().0.is_shut_down()
     }
-}
-
-/// A random 64-bit nonce from the kernel.
-pub fn nonce() -> u64 {
-    let mut b = [0u8; 8];
-    // SAFETY: getrandom writes at most b.len() bytes into `b`.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if n != 8 {
-        // Fall back on time and address entropy; nonces only need to differ.
-        let t = Instant::now().elapsed().as_nanos() as u64 ^ (std::process::id() as u64) << 32;
-        return t ^ (&b as *const _ as u64);
-    }
-    u64::from_le_bytes(b)
 }
 
 /// One endpoint with its CQ and AV on a device's domain.

@@ -59,7 +59,7 @@ impl Receiver for RecvComm {
             n: bufs.len() as u8,
             remaining: bufs.len() as u8,
             sizes: [0; MAX_RECVS],
-            bufs: [NO_BUF; MAX_RECVS],
+            bufs: [RecvBuf::EMPTY; MAX_RECVS],
             err: None,
         };
         req.bufs[..bufs.len()].copy_from_slice(bufs);

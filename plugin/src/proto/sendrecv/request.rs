@@ -30,16 +30,6 @@ pub(super) struct Request {
     pub(super) err: Option<ReqErr>,
 }
 
-pub(super) const NO_BUF: RecvBuf = RecvBuf {
-    data: std::ptr::null_mut(),
-    size: 0,
-    tag: 0,
-    desc: std::ptr::null_mut(),
-    key: 0,
-    base: 0,
-    phandle: std::ptr::null_mut(),
-};
-
 pub(super) fn decode_ctx(ctx: *mut c_void) -> (*const u8, u8) {
     let a = ctx as usize;
     (
@@ -52,10 +42,7 @@ pub(super) fn decode_ctx(ctx: *mut c_void) -> (*const u8, u8) {
 pub(super) fn req_error(kind: Kind, e: ReqErr, capacity: usize, link: &Link) -> Error {
     let peer = &link.name;
     if e.fi_err == PEER_DEAD {
-        return Error::remote(format!(
-            "peer {peer} declared dead: {}",
-            link.dead.as_deref().unwrap_or("no reason recorded")
-        ));
+        return link.dead_error();
     }
     let what = if kind == Kind::Send {
         "send"

@@ -128,7 +128,7 @@ impl Sender for SendComm {
             n: 1,
             remaining: 1,
             sizes: [0; MAX_RECVS],
-            bufs: [NO_BUF; MAX_RECVS],
+            bufs: [RecvBuf::EMPTY; MAX_RECVS],
             err: None,
         };
         req.sizes[0] = size;
