@@ -84,7 +84,7 @@ impl Peer {
     pub fn kill(mut self) {
         self.child.kill().expect("kill peer");
         let _ = self.child.wait();
-        remove_shm_regions(self.child.id());
+        weft::fabric::local::remove_shm_regions(self.child.id());
     }
 
     /// Asks the peer to quit and checks it exited cleanly.
@@ -166,7 +166,7 @@ impl Server {
     pub fn abort(mut self) -> String {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        remove_shm_regions(self.child.id());
+        weft::fabric::local::remove_shm_regions(self.child.id());
         let mut said = String::new();
         let _ = std::io::Read::read_to_string(&mut self.out, &mut said);
         if said.trim().is_empty() {
@@ -185,20 +185,5 @@ impl Server {
             return Err(format!("receiver: {} ({status})", line.trim()));
         }
         Ok(line.trim().to_owned())
-    }
-}
-
-/// Removes the shm provider's regions of a process that was killed (a
-/// SIGKILLed process cannot unlink them). libfabric 1.17's shm names them
-/// `/dev/shm/<pid>:<n>:<n>` and refuses, with `EBUSY`, to open an endpoint
-/// whose name exists, so a later process that gets the same pid could not.
-pub fn remove_shm_regions(pid: u32) {
-    let prefix = format!("{pid}:");
-    if let Ok(dir) = std::fs::read_dir("/dev/shm") {
-        for e in dir.flatten() {
-            if e.file_name().to_string_lossy().starts_with(&prefix) {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
     }
 }

@@ -594,7 +594,7 @@ fn shm_regions_left_under_this_pid_are_removed() {
     let mut want = live.clone();
     want.sort();
     assert_eq!(after, want, "only the strays went");
-    assert!(logged("left by an earlier process with this pid") >= stale.len());
+    assert!(logged(&format!("left by an earlier process with pid {pid}")) >= stale.len());
     send_verified(s, r, 3, 4096);
     close_pair(s, r);
 }

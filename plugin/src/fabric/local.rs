@@ -91,7 +91,15 @@ pub fn open_endpoints() -> usize {
 /// 1.17's shm refuses (`EBUSY`) to open an endpoint whose region exists.
 /// Returns how many were removed.
 pub fn remove_stale_shm_regions() -> usize {
-    let prefix = format!("{}:", std::process::id());
+    remove_shm_regions(std::process::id())
+}
+
+/// Removes the shm regions of process `pid` (libfabric 1.17's shm names them
+/// `/dev/shm/<pid>:<n>:<n>`) except those of endpoints open in this
+/// process: for `pid` a process that is gone (killed, or exited without
+/// closing). Returns how many were removed.
+pub fn remove_shm_regions(pid: u32) -> usize {
+    let prefix = format!("{pid}:");
     let Ok(dir) = std::fs::read_dir("/dev/shm") else {
         return 0;
     };
@@ -106,18 +114,13 @@ pub fn remove_stale_shm_regions() -> usize {
     let mut removed = 0;
     for e in dir.flatten() {
         let file = e.file_name().to_string_lossy().into_owned();
-        if !file.starts_with(&prefix) {
-            continue;
-        }
-        let name = format!("fi_shm://{file}").into_bytes();
-        if ours.contains(&name) {
+        if !file.starts_with(&prefix) || ours.contains(&format!("fi_shm://{file}").into_bytes()) {
             continue;
         }
         if std::fs::remove_file(e.path()).is_ok() {
             tracing::warn!(
-                "removed /dev/shm/{file}, an shm region left by an earlier process with this pid ({}); \
-                 processes that exit without closing their endpoints (or are killed) leave these",
-                std::process::id()
+                "removed /dev/shm/{file}, an shm region left by an earlier process with pid {pid}; \
+                 processes that exit without closing their endpoints (or are killed) leave these"
             );
             removed += 1;
         }
