@@ -110,6 +110,17 @@ impl<T: Copy> Pool<T> {
         self.gen(i) & mask == gen & mask
     }
 
+    /// A live slot's value, to read.
+    pub fn get(&self, i: u32) -> Option<&T> {
+        if !*self.live.get(i as usize)? {
+            return None;
+        }
+        let p = self.ptr(i)?;
+        // SAFETY: live slots hold an initialised T written by `insert`; the
+        // pool is borrowed, so nothing writes it meanwhile.
+        Some(unsafe { &*p.as_ptr() })
+    }
+
     /// A live slot's value.
     pub fn get_mut(&mut self, i: u32) -> Option<&mut T> {
         if !*self.live.get(i as usize)? {

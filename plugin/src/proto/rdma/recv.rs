@@ -317,9 +317,8 @@ impl RecvState {
     /// Eager message `idx` of `tag`: into its receive if posted, else kept
     /// until it is.
     fn on_eager(&mut self, tag: i32, idx: u32, data: Vec<u8>) {
-        let live: Vec<u32> = self.reqs.live().collect();
-        let found = live.into_iter().find_map(|i| {
-            let r = *self.reqs.get_mut(i)?;
+        let found = self.reqs.live().find_map(|i| {
+            let r = self.reqs.get(i)?;
             (0..r.n)
                 .find(|&s| {
                     let s = usize::from(s);

@@ -219,6 +219,11 @@ impl Sender for SendComm {
             }
             st.eager_credits -= 1;
             st.sent.insert(tag, k.wrapping_add(1));
+            // Its buffer, if already offered, is filled: the offer is spent
+            // (one offered later is skipped on arrival).
+            if let Some(at) = at {
+                st.offers.remove(at);
+            }
             let (_, idx) = st
                 .reqs
                 .insert(SReq {
@@ -410,11 +415,8 @@ impl Side for SendState {
 }
 
 impl SendState {
-    /// Where in `offers` the buffer for message `k` of `tag` is; offers of
-    /// earlier messages of the tag (filled eagerly) are dropped.
-    fn offer(&mut self, tag: i32, k: u32) -> Option<usize> {
-        self.offers
-            .retain(|o| o.buf.tag != tag || o.buf.idx.wrapping_sub(k) < u32::MAX / 2);
+    /// Where in `offers` the buffer for message `k` of `tag` is.
+    fn offer(&self, tag: i32, k: u32) -> Option<usize> {
         self.offers
             .iter()
             .position(|o| o.buf.tag == tag && o.buf.idx == k)
@@ -435,6 +437,11 @@ impl SendState {
                 while let Some((slot, bufs)) = self.early.remove(&self.next_seq) {
                     self.next_seq = self.next_seq.wrapping_add(1);
                     for (sub, buf) in bufs.into_iter().enumerate() {
+                        // A buffer whose message already went eagerly.
+                        let sent = self.sent.get(&buf.tag).copied().unwrap_or(0);
+                        if buf.idx.wrapping_sub(sent) >= u32::MAX / 2 {
+                            continue;
+                        }
                         self.offers.push_back(Offer {
                             slot,
                             sub: sub as u8,
