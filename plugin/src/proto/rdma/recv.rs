@@ -72,7 +72,7 @@ struct RecvState {
     /// (at most EAGER_CREDITS).
     stash: HashMap<(i32, u32), Vec<u8>>,
     /// Eager credits to return.
-    owed: u32,
+    credits_owed: u32,
 }
 
 impl std::fmt::Debug for RecvComm {
@@ -100,7 +100,7 @@ impl RecvComm {
                 offsets,
                 next_idx: HashMap::new(),
                 stash: HashMap::new(),
-                owed: 0,
+                credits_owed: 0,
             }),
         })
     }
@@ -279,8 +279,8 @@ impl Side for RecvState {
     }
     fn progress(&mut self, seat: &Seat) -> Result<()> {
         self.peer.flush(seat.ep())?;
-        if self.owed >= EAGER_CREDIT_BATCH {
-            let count = std::mem::take(&mut self.owed);
+        if self.credits_owed >= EAGER_CREDIT_BATCH {
+            let count = std::mem::take(&mut self.credits_owed);
             self.peer.send(seat.ep(), Ctrl::Credit { count })?;
         }
         for ev in seat.poll()? {
@@ -341,7 +341,7 @@ impl RecvState {
     /// Copies eager data into buffer `sub` of request `slot` (nothing past
     /// it: a larger message is a truncation error) and owes a credit back.
     fn fill(&mut self, slot: u32, sub: u8, data: &[u8]) {
-        self.owed += 1;
+        self.credits_owed += 1;
         let Some(r) = self.reqs.get_mut(slot) else {
             return;
         };
