@@ -6,8 +6,8 @@ use std::cell::Cell;
 use std::sync::Arc;
 
 use weft::fabric::{Completion, Domain, Endpoint, FiAddr, Mr, ACCESS_ALL};
-use weft::proto::sendrecv::CTRL_TAG;
 use weft::proto::wire::{Ctrl, CTRL_MAX};
+use weft::proto::CTRL_TAG;
 
 /// The hand-driven peer.
 #[derive(Debug)]

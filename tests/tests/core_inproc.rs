@@ -345,7 +345,7 @@ fn stale_and_foreign_pointers_are_errors() {
 fn credits_bound_the_sender_and_come_back() {
     weft_tests::isolated!();
     std::env::set_var("WEFT_PROTOCOL", "sendrecv"); // SENDRECV's credits
-    use weft::proto::sendrecv::CREDITS;
+    use weft::proto::comms::CREDITS;
     let ctx = init("tcp");
     let (s, r) = pair(ctx);
     let buf = pattern(0, 2, 64);
@@ -551,7 +551,7 @@ fn shm_truncation_writes_nothing_past_the_buffer() {
 /// Posted afterwards, the receives get every message intact and in order,
 /// and the credits come back so the sender goes on.
 fn eager_sends_are_bounded_by_credits(provider: &str) {
-    use weft::proto::rdma::EAGER_CREDITS;
+    use weft::proto::comms::EAGER_CREDITS;
     std::env::set_var("WEFT_PROTOCOL", "rdma");
     let ctx = init(provider);
     let (s, r) = pair(ctx);

@@ -3,7 +3,7 @@
 //! messages, so the receiver's memory is bounded whatever the sender does.
 
 use weft::core;
-use weft::proto::sendrecv::CREDITS;
+use weft::proto::comms::CREDITS;
 use weft_tests::host::{self, pattern};
 use weft_tests::peer::{unhex, Peer};
 

@@ -1,6 +1,6 @@
 //! The keeper: a thread per loaded plugin that says `Alive` on every
 //! connected comm and declares silent peers dead (see
-//! [`crate::proto::sendrecv`], "Liveness"). NCCL only calls into a plugin when
+//! [`crate::proto::comms`], "Liveness"). NCCL only calls into a plugin when
 //! it has work for it, so a rank busy elsewhere would otherwise fall silent.
 //!
 //! A provider call can fail to return (seen on shm: spinning on a peer's

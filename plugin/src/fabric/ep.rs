@@ -74,10 +74,9 @@ impl Endpoint {
         Ok(ep)
     }
 
-    /// Closes the endpoint now (a comm whose peer died): afterwards the
-    /// provider owns none of the buffers posted on it, and every operation
-    /// fails with `FI_ESHUTDOWN`. Its CQ and AV stay open.
-    pub fn shutdown(&mut self) {
+    /// Closes the endpoint (once; afterwards every operation fails with
+    /// `FI_ESHUTDOWN`). Its CQ and AV stay open until dropped.
+    fn shutdown(&mut self) {
         if let Some(l) = &self.local {
             l.close();
         }
@@ -86,11 +85,6 @@ impl Endpoint {
             close_fid(unsafe { &raw mut (*self.ptr).fid }, "endpoint");
             self.ptr = ptr::null_mut();
         }
-    }
-
-    /// True once [`Endpoint::shutdown`] ran.
-    pub fn is_shut_down(&self) -> bool {
-        self.ptr.is_null()
     }
 
     fn live(&self, call: &'static str) -> Result<*mut fi::fid_ep, FiError> {

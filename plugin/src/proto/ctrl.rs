@@ -4,7 +4,7 @@
 //!
 //! Control messages are tagged messages with [`CTRL_TAG`] set, which data
 //! tags never set. The low 32 bits name the comm the message is for, on an
-//! endpoint shared by many comms (0 where an endpoint has one comm).
+//! endpoint shared by many comms.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -32,32 +32,14 @@ pub(crate) struct CtrlBufs {
     /// Buffers the provider refused to take back for now (FI_EAGAIN),
     /// reposted at the next progress.
     pub(crate) unposted: Vec<usize>,
-    /// Tag bits the posted receives ignore (the comm id, on a shared endpoint).
-    ignore: u64,
     /// Bytes per buffer.
     size: usize,
 }
 
 impl CtrlBufs {
-    /// Posts `count` buffers of [`CTRL_MAX`] bytes on `ep` that take control
-    /// messages for any comm id (`any_id`) or only for id 0.
-    pub(crate) fn new(
-        dev: &DeviceState,
-        ep: &Endpoint,
-        count: usize,
-        any_id: bool,
-    ) -> Result<Self> {
-        Self::sized(dev, ep, count, any_id, CTRL_MAX)
-    }
-
-    /// [`CtrlBufs::new`] with buffers of `size` bytes (room for eager data).
-    pub(crate) fn sized(
-        dev: &DeviceState,
-        ep: &Endpoint,
-        count: usize,
-        any_id: bool,
-        size: usize,
-    ) -> Result<Self> {
+    /// Posts `count` buffers of `size` bytes (at least [`CTRL_MAX`]; more
+    /// for eager data) on `ep` that take control messages for any comm id.
+    pub(crate) fn new(dev: &DeviceState, ep: &Endpoint, count: usize, size: usize) -> Result<Self> {
         let mut list = Freelist::new(
             HostPages,
             DomainRegistrar(Arc::clone(&dev.domain)),
@@ -77,7 +59,6 @@ impl CtrlBufs {
             list,
             posted,
             unposted: Vec::new(),
-            ignore: if any_id { CTRL_ID_MASK } else { 0 },
             size,
         };
         for i in 0..count {
@@ -119,7 +100,7 @@ impl CtrlBufs {
                 desc,
                 fi::FI_ADDR_UNSPEC,
                 CTRL_TAG,
-                self.ignore,
+                CTRL_ID_MASK,
                 e.ptr.as_ptr().cast(),
             )
         }
@@ -212,11 +193,6 @@ pub(crate) fn send_ctrl_to(
     to.send("fi_tinject", |a| {
         ep.tinject(&b[..n], a, CTRL_TAG | u64::from(id))
     })
-}
-
-/// Injects a control message to the one comm of peer endpoint `to`.
-pub(crate) fn send_ctrl(ep: &Endpoint, to: &Peer, msg: &Ctrl) -> std::result::Result<(), FiError> {
-    send_ctrl_to(ep, to, 0, msg)
 }
 
 /// A comm's view of its peer: where it is and whether it still answers.

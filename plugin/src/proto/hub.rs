@@ -10,8 +10,9 @@
 //! comms between two processes, and the simultaneous-connect livelock of
 //! tcp;ofi_rxm (libfabric #9052) cannot occur. A comm is an id on its
 //! endpoint (24 bits) and an [`Inbox`]: control messages carry the id in
-//! their tag's low bits, operations carry it in their context's high 32
-//! bits, and remote writes in their immediate's high 24 bits.
+//! their tag's low bits, tagged data messages in bits 32..56 of theirs
+//! ([`data_tag`]), operations carry it in their context's high 32 bits, and
+//! remote writes in their immediate's high 24 bits.
 //!
 //! **Progress.** Whichever thread calls [`Hub::progress`] first reads the
 //! CQ for everyone: it takes the port's poll lock with `try_lock` (a thread
@@ -28,7 +29,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use libfabric_sys as fi;
 
 use super::cq::{drain, Event};
-use super::ctrl::{CtrlBufs, CTRL_ID_MASK};
+use super::ctrl::{CtrlBufs, CTRL_ID_MASK, CTRL_TAG};
 use super::wire::{CTRL_MAX, EAGER_HEAD};
 use super::DeviceState;
 use crate::error::{Error, Result};
@@ -61,8 +62,9 @@ pub enum Port {
 pub enum Ev {
     /// A control message (its bytes).
     Ctrl(Vec<u8>),
-    /// An operation the comm posted finished; the low 32 bits of its context.
-    Done(u32),
+    /// An operation the comm posted finished: the low 32 bits of its
+    /// context, and the length (of a received message).
+    Done(u32, usize),
     /// An operation the comm posted failed.
     Failed(u32, CompletionError),
     /// A peer's write with immediate landed: the immediate's low 8 bits, and
@@ -92,6 +94,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// its own.
 pub fn context(id: u32, local: u32) -> *mut c_void {
     ((u64::from(id) << 32) | u64::from(local)) as usize as *mut c_void
+}
+
+/// The tag of a data message to comm `id` at the peer with NCCL's `tag`
+/// (bit 63, which marks control messages, stays clear).
+pub fn data_tag(id: u32, tag: i32) -> u64 {
+    (u64::from(id & (MAX_ID - 1)) << 32) | u64::from(tag as u32)
 }
 
 /// The immediate of a write to comm `id` at the peer, with 8 bits of its
@@ -143,7 +151,7 @@ impl Hub {
             let ep = Endpoint::open_sized(&dev.domain, CQ_SIZE)
                 .map_err(|e| Error::from(e).context("opening the device's shared endpoint"))?;
             let size = CTRL_MAX.max(EAGER_HEAD + eager_max);
-            let ctrl = CtrlBufs::sized(dev, &ep, CTRL_POSTED, true, size)?;
+            let ctrl = CtrlBufs::new(dev, &ep, CTRL_POSTED, size)?;
             let name = ep.name()?;
             Ok(PortState {
                 ep,
@@ -270,10 +278,10 @@ fn on_done(
         deliver(imm >> 8, Ev::Landed(imm as u8, size));
         return Ok(());
     }
-    if c.flags & u64::from(fi::FI_RECV) != 0 {
+    if c.flags & u64::from(fi::FI_RECV) != 0 && c.tag & CTRL_TAG != 0 {
         let Some(i) = ctrl.find(c.op_context) else {
             return Err(Error::system(
-                "hub: receive completion for an unknown buffer",
+                "hub: control message completed in an unknown buffer",
             ));
         };
         let bytes = ctrl.bytes(i, c.len).to_vec();
@@ -281,8 +289,9 @@ fn on_done(
         deliver((c.tag & CTRL_ID_MASK) as u32, Ev::Ctrl(bytes));
         return Ok(());
     }
+    // A comm's own operation (a send, a write, a tagged receive).
     let ctx = c.op_context as usize as u64;
-    deliver((ctx >> 32) as u32, Ev::Done(ctx as u32));
+    deliver((ctx >> 32) as u32, Ev::Done(ctx as u32, c.len));
     Ok(())
 }
 

@@ -7,8 +7,9 @@
 //! control-message encoding ([`wire`]), the liveness period, and the types a
 //! request's completion is reported in. A protocol never imports the core.
 //!
-//! `sendrecv` (NCCL messages as libfabric tagged messages) is the one
-//! protocol in this build.
+//! Both protocols, `rdma` (receiver-driven writes) and `sendrecv` (tagged
+//! messages), are comms on endpoints shared per device ([`hub`]); they share
+//! the handshake and liveness and differ in their data path ([`comms`]).
 
 use std::ffi::c_void;
 use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
@@ -20,16 +21,16 @@ use crate::error::Result;
 use crate::fabric::{Domain, DomainRegistrar};
 use crate::mr::MrCache;
 
+pub mod comms;
 pub(crate) mod cq;
 pub(crate) mod ctrl;
 pub(crate) mod handshake;
 pub mod hub;
 pub mod pool;
-pub mod rdma;
-pub mod sendrecv;
 pub(crate) mod sync;
 pub mod wire;
 
+pub use ctrl::CTRL_TAG;
 pub use handshake::MAX_PENDING;
 use wire::ListenHandle;
 
@@ -53,8 +54,7 @@ pub struct DeviceState {
     pub eager_size: usize,
     /// `WEFT_PEER_TIMEOUT`.
     pub peer_timeout: Duration,
-    /// The device's shared endpoints, opened by the first comm that needs
-    /// them (the RDMA protocol's comms).
+    /// The device's shared endpoints, opened by its first comm.
     pub hub: std::sync::Mutex<Option<Arc<hub::Hub>>>,
 }
 
@@ -250,8 +250,8 @@ pub fn choose(
     } else {
         Err(format!("{provider} does not offer FI_RMA here"))
     };
-    let sendrecv: Arc<dyn Protocol> = Arc::new(sendrecv::SendRecv);
-    let rdma: Arc<dyn Protocol> = Arc::new(rdma::Rdma);
+    let sendrecv: Arc<dyn Protocol> = Arc::new(comms::OnHub(comms::Path::Tagged));
+    let rdma: Arc<dyn Protocol> = Arc::new(comms::OnHub(comms::Path::Rdma));
     match (setting, rma) {
         (P::SendRecv, _) => Ok((sendrecv, "WEFT_PROTOCOL=sendrecv".to_owned())),
         (P::Rdma, Ok(why)) => Ok((rdma, format!("WEFT_PROTOCOL=rdma; {why}"))),

@@ -1,5 +1,5 @@
-//! The sending side: the connecting half of the handshake, the receiver's
-//! offers, and writes.
+//! The sending side: the connecting half of the handshake, credits, and
+//! both data paths (the receiver's offers and writes; tagged sends).
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
@@ -11,7 +11,7 @@ use libfabric_sys as fi;
 use super::super::ctrl::Peer;
 use super::super::ctrl::CTRL_TAG;
 use super::super::handshake::{self, nonce, Connecting, Phase};
-use super::super::hub::{context, immediate, NO_SIZE};
+use super::super::hub::{context, data_tag, immediate, NO_SIZE};
 use super::super::pool::Pool;
 use super::super::wire::RtrBuf;
 use super::super::{Comm, Done, ReqId, MAX_RECVS, MAX_REQUESTS};
@@ -45,6 +45,7 @@ struct SReq {
 }
 
 struct SendState {
+    path: Path,
     connect: Connecting,
     listener: Peer,
     listener_id: u32,
@@ -57,26 +58,32 @@ struct SendState {
     early: BTreeMap<u32, (u8, Vec<RtrBuf>)>,
     /// Messages sent so far per tag (the next message's number).
     sent: HashMap<i32, u32>,
-    /// Eager messages the receiver still has room for, and its largest.
-    eager_credits: u32,
+    /// Messages the receiver still has room for (rdma: eager ones; tagged:
+    /// any), and the most it granted.
+    credits: u32,
+    max_credits: u32,
+    /// The largest eager message the receiver takes (rdma).
     eager_max: usize,
+    /// The largest message injected (tagged).
+    inject_max: usize,
     /// Scratch for encoding an eager message.
     scratch: Vec<u8>,
 }
 
 impl std::fmt::Debug for SendComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "rdma SendComm(dev {}, id {})",
-            self.dev.index, self.seat.id
-        )
+        write!(f, "SendComm(dev {}, id {})", self.dev.index, self.seat.id)
     }
 }
 
 impl SendComm {
     /// Starts connecting to the listener named by `handle`.
-    pub fn start(dev: Arc<DeviceState>, handle: &ListenHandle, traffic_class: i32) -> Result<Self> {
+    pub fn start(
+        dev: Arc<DeviceState>,
+        path: Path,
+        handle: &ListenHandle,
+        traffic_class: i32,
+    ) -> Result<Self> {
         let seat = Seat::new(&dev, Port::Active)?;
         let listener = Peer::insert(seat.ep(), &handle.addr).map_err(|e| {
             if e.code == fi::FI_ENOTCONN {
@@ -85,7 +92,7 @@ impl SendComm {
                 Error::internal(format!("the handle's listener address is unusable: {e}"))
             }
         })?;
-        // One send per buffer NCCL may have posted (32 requests x 8), as SENDRECV.
+        // One send per buffer NCCL may have posted (32 requests x 8).
         let reqs = Pool::new(MAX_REQUESTS * MAX_RECVS).map_err(|e| Error::system(e.to_string()))?;
         let connect = Connecting::new(
             nonce(),
@@ -93,12 +100,14 @@ impl SendComm {
             heartbeat_period(dev.peer_timeout),
             dev.peer_timeout,
         );
+        let inject_max = dev.eager_size.min(dev.dev.inject_size);
         Ok(Self {
             dev,
             traffic_class,
             listener_nonce: handle.nonce,
             seat,
             inner: Mutex::new(SendState {
+                path,
                 connect,
                 listener,
                 listener_id: handle.id,
@@ -108,8 +117,10 @@ impl SendComm {
                 next_seq: 0,
                 early: BTreeMap::new(),
                 sent: HashMap::new(),
-                eager_credits: 0,
+                credits: 0,
+                max_credits: 0,
                 eager_max: 0,
+                inject_max,
                 scratch: Vec::new(),
             }),
         })
@@ -141,8 +152,9 @@ impl Sender for SendComm {
         )
     }
 
-    /// `Ok(None)` until the receiver offered a buffer for `tag`, while the
-    /// provider is busy, or while another thread holds the comm.
+    /// `Ok(None)` while the comm cannot take the send now (no credit, no
+    /// offer yet on the RDMA path, the provider busy) or another thread
+    /// holds it.
     unsafe fn isend(
         &self,
         data: *const u8,
@@ -160,6 +172,107 @@ impl Sender for SendComm {
             ));
         }
         st.peer.link.check()?;
+        // SAFETY: passed on from the caller's contract.
+        unsafe {
+            match st.path {
+                Path::Rdma => self.isend_rdma(&mut st, data, size, tag, desc),
+                Path::Tagged => self.isend_tagged(&mut st, data, size, tag, desc),
+            }
+        }
+    }
+}
+
+impl SendComm {
+    /// The request id NCCL gets for slot `idx`.
+    fn req_id(st: &SendState, idx: u32) -> Option<ReqId> {
+        Some(ReqId {
+            slot: idx,
+            gen: st.reqs.gen(idx),
+        })
+    }
+
+    /// A tagged send: injected when small (done at once), else posted.
+    ///
+    /// # Safety
+    /// As [`Sender::isend`].
+    unsafe fn isend_tagged(
+        &self,
+        st: &mut SendState,
+        data: *const u8,
+        size: usize,
+        tag: i32,
+        desc: *mut c_void,
+    ) -> Result<Option<ReqId>> {
+        if st.credits == 0 {
+            st.progress(&self.seat)?;
+            if st.credits == 0 {
+                return Ok(None);
+            }
+        }
+        let inject = size <= st.inject_max;
+        let Some((_, idx)) = st.reqs.insert(SReq {
+            size,
+            done: inject,
+            err: None,
+        }) else {
+            st.progress(&self.seat)?;
+            return Ok(None);
+        };
+        let to = data_tag(st.peer.id, tag);
+        let ep = self.seat.ep();
+        let posted = if inject {
+            let bytes: &[u8] = if size == 0 {
+                &[]
+            } else {
+                // SAFETY: NCCL guarantees `data..data+size` is readable
+                // (checked against its registration by the caller);
+                // fi_tinject copies it now.
+                unsafe { std::slice::from_raw_parts(data, size) }
+            };
+            st.peer
+                .link
+                .peer
+                .send("fi_tinject", |a| ep.tinject(bytes, a, to))
+        } else {
+            st.peer.link.peer.send("fi_tsend", |a| {
+                // SAFETY: NCCL keeps the buffer until the request is done,
+                // which is after its completion (or the peer's death, after
+                // which the provider only reads it).
+                unsafe { ep.tsend(data, size, desc, a, to, context(self.seat.id, idx)) }
+            })
+        };
+        match posted {
+            Ok(()) => {
+                st.credits -= 1;
+                Ok(Self::req_id(st, idx))
+            }
+            Err(e) => {
+                st.reqs.release(idx);
+                if e.is_again() {
+                    st.progress(&self.seat)?;
+                    return Ok(None);
+                }
+                Err(Error::remote(format!(
+                    "isend of {size} bytes to {} failed: {e}",
+                    st.peer.link.name
+                )))
+            }
+        }
+    }
+
+    /// An RDMA send: eager when small, else a write into the buffer the
+    /// receiver offered (`Ok(None)` until it is offered).
+    ///
+    /// # Safety
+    /// As [`Sender::isend`].
+    unsafe fn isend_rdma(
+        &self,
+        st: &mut SendState,
+        data: *const u8,
+        size: usize,
+        tag: i32,
+        desc: *mut c_void,
+    ) -> Result<Option<ReqId>> {
         let k = st.sent.get(&tag).copied().unwrap_or(0);
         let mut at = st.offer(tag, k);
         if at.is_none() {
@@ -181,7 +294,7 @@ impl Sender for SendComm {
                 return Err(truncation(
                     "send",
                     &st.peer.link.name,
-                    size as u64,
+                    Some(size as u64),
                     tag,
                     o.buf.size,
                 ));
@@ -190,8 +303,7 @@ impl Sender for SendComm {
         // Small messages go eagerly, offered or not: one injected message,
         // copied into the buffer at the receiver (a write costs more for
         // small sizes: shm moves it by a system call, rxm by a rendezvous).
-        let eager =
-            size <= st.eager_max && st.eager_credits > 0 && st.reqs.in_use() < st.reqs.capacity();
+        let eager = size <= st.eager_max && st.credits > 0 && st.reqs.in_use() < st.reqs.capacity();
         if eager {
             // SAFETY: NCCL guarantees `data..data+size` is readable (checked
             // against its registration by the caller); it is copied now.
@@ -217,7 +329,7 @@ impl Sender for SendComm {
                     )))
                 }
             }
-            st.eager_credits -= 1;
+            st.credits -= 1;
             st.sent.insert(tag, k.wrapping_add(1));
             // Its buffer, if already offered, is filled: the offer is spent
             // (one offered later is skipped on arrival).
@@ -232,10 +344,7 @@ impl Sender for SendComm {
                     err: None,
                 })
                 .expect("room checked above");
-            return Ok(Some(ReqId {
-                slot: idx,
-                gen: st.reqs.gen(idx),
-            }));
+            return Ok(Self::req_id(st, idx));
         }
         let Some(at) = at else {
             return Ok(None);
@@ -294,13 +403,10 @@ impl Sender for SendComm {
                 size: size as u64,
             };
             if let Err(e) = st.peer.send(self.seat.ep(), wrote) {
-                die(&mut *st, format!("telling the receiver a size failed: {e}"));
+                die(st, format!("telling the receiver a size failed: {e}"));
             }
         }
-        Ok(Some(ReqId {
-            slot: idx,
-            gen: st.reqs.gen(idx),
-        }))
+        Ok(Self::req_id(st, idx))
     }
 }
 
@@ -393,13 +499,13 @@ impl Side for SendState {
                     self.peer.link.heard = true;
                     self.on_ctrl(seat, &bytes)?;
                 }
-                Ev::Done(local) => {
+                Ev::Done(local, _) => {
                     if let Some(r) = self.reqs.get_mut(local).filter(|r| !r.done) {
                         r.done = true;
                     }
                 }
                 Ev::Failed(local, e) => {
-                    tracing::warn!("send comm to {}: a write failed: {e}", self.peer.link.name);
+                    tracing::warn!("send comm to {}: a send failed: {e}", self.peer.link.name);
                     if let Some(r) = self.reqs.get_mut(local).filter(|r| !r.done) {
                         r.done = true;
                         r.err = Some(e.err.max(1));
@@ -424,7 +530,9 @@ impl SendState {
 
     fn on_ctrl(&mut self, seat: &Seat, bytes: &[u8]) -> Result<()> {
         match Ctrl::decode(bytes) {
-            Ok(Ctrl::Rtr { seq, slot, bufs }) if self.connect.phase() == Phase::Ready => {
+            Ok(Ctrl::Rtr { seq, slot, bufs })
+                if self.connect.phase() == Phase::Ready && self.path == Path::Rdma =>
+            {
                 if usize::from(slot) >= MAX_REQUESTS || self.early.len() >= MAX_REQUESTS {
                     tracing::warn!(
                         "send comm to {}: ignored an offer for request slot {slot} ({} early)",
@@ -453,7 +561,8 @@ impl SendState {
             Ok(Ctrl::Alive) => {}
             Ok(Ctrl::Bye) => on_bye(self),
             Ok(Ctrl::Credit { count }) => {
-                self.eager_credits = self.eager_credits.saturating_add(count).min(EAGER_CREDITS);
+                // A peer can never grant more than it announced.
+                self.credits = self.credits.saturating_add(count).min(self.max_credits);
             }
             Ok(Ctrl::Ack {
                 conn,
@@ -471,7 +580,8 @@ impl SendState {
                     return Ok(());
                 }
                 self.peer.id = id;
-                self.eager_credits = credits.min(EAGER_CREDITS);
+                self.max_credits = credits.clamp(1, self.path.credits().0);
+                self.credits = self.max_credits;
                 self.eager_max = (eager as usize).min(seat.hub.eager_max());
                 self.connect.connected();
                 // The first Alive confirms the connection to `accept`.

@@ -1,51 +1,73 @@
-//! The RDMA protocol: receiver-driven writes, on endpoints shared per device.
+//! Comms on the device's shared endpoints, for both protocols.
 //!
 //! **Endpoints.** Comms have no endpoint of their own: each is an id and an
 //! inbox on its device's [`Hub`] (listeners and receive comms on the passive
 //! endpoint, send comms on the active one). A comm costs a few KiB, not a
-//! provider endpoint.
+//! provider endpoint, whichever protocol it speaks.
 //!
-//! **Handshake**, as SENDRECV's but between hub endpoints: `connect` sends
-//! `Conn{listener nonce, conn nonce, its id, active address}` to the
+//! **Handshake** (never blocks; `connect`/`accept` are polled): `connect`
+//! sends `Conn{listener nonce, conn nonce, its id, active address}` to the
 //! listener's id; the listener makes a receive comm and answers
-//! `Ack{conn nonce, its id, passive address}`; the sender's first `Alive`
-//! confirms, and `accept` hands the comm to NCCL.
+//! `Ack{conn nonce, its id, passive address, credits}`; the sender's first
+//! `Alive` confirms, and `accept` hands the comm to NCCL, so a connecting peer
+//! that dies mid-handshake is an error, not a comm that never receives.
 //!
-//! **Data.** For each `irecv` (grouped, n <= 8) the receiver sends the
-//! sender `Rtr{seq, slot, [tag, number, size, address, key] per buffer}`,
-//! where a buffer's number counts the receives of its tag. The sender gives
-//! the k-th `isend` of a tag the buffer numbered k (NCCL's per-tag order);
-//! until it is offered (and the message is not eager) it returns a NULL
-//! request, as NCCL allows. It checks the size against the offer: a larger message is
-//! an error on both sides (`Trunc` tells the receiver) and nothing is
-//! written. Otherwise it writes the data with `fi_writedata`, whose low
-//! 32 bits of immediate name the receive comm (24 bits), the request slot
-//! (5) and the buffer (3). A receive buffer is done when the immediate
-//! arrived (the bytes landed: on tcp a write that completed at the sender
-//! may not have) and its size is known: from the immediate's upper 32 bits
-//! where the provider gives 8 bytes of CQ data, else from a
-//! `Wrote{slot, buffer, size}` message; never from the completion's length
-//! (0 for a remote write on tcp;ofi_rxm). No order between the two is
-//! assumed, nor between messages beyond what `seq` restores.
+//! **Data** takes one of two paths, [`Path`]:
 //!
-//! **Eager.** Sends and receives are numbered per tag; each offered buffer
-//! carries its number. A message that fits the provider's inject size (and
+//! *RDMA* (`WEFT_PROTOCOL=rdma`), receiver-driven. For each `irecv`
+//! (grouped, n <= 8) the receiver sends the sender
+//! `Rtr{seq, slot, [tag, number, size, address, key] per buffer}`, where a
+//! buffer's number counts the receives of its tag. The sender gives the k-th
+//! `isend` of a tag the buffer numbered k (NCCL's per-tag order); until it is
+//! offered (and the message is not eager) it returns a NULL request, as NCCL
+//! allows. It checks the size against the offer: a larger message is an
+//! error on both sides (`Trunc` tells the receiver) and nothing is written.
+//! Otherwise it writes the data with `fi_writedata`, whose low 32 bits of
+//! immediate name the receive comm (24 bits), the request slot (5) and the
+//! buffer (3). A receive buffer is done when the immediate arrived (the
+//! bytes landed: on tcp a write that completed at the sender may not have)
+//! and its size is known: from the immediate's upper 32 bits where the
+//! provider gives 8 bytes of CQ data, else from a `Wrote{slot, buffer, size}`
+//! message; never from the completion's length (0 for a remote write on
+//! tcp;ofi_rxm). No order between the two is assumed, nor between messages
+//! beyond what `seq` restores.
+//!
+//! Eager: a message that fits the provider's inject size (and
 //! `WEFT_EAGER_SIZE`) goes at once as an `Eager{tag, number, data}` control
 //! message, offered or not; the receiver copies it into the receive of the
 //! same number (or keeps it until that receive is posted) and returns a
-//! credit. A sender has at most [`EAGER_CREDITS`] unconsumed.
+//! credit. A sender has at most [`EAGER_CREDITS`] unconsumed. Data arrives
+//! only into buffers the receiver offered, so it never buffers an unexpected
+//! data message.
 //!
-//! **What the receiver holds.** Data arrives only into buffers it offered,
-//! so it never buffers an unexpected data message; control messages are
-//! bounded by NCCL's requests (32 per comm). `Rtr` travels only when NCCL
-//! posts a receive, so no credits are needed.
+//! *Tagged* (`WEFT_PROTOCOL=sendrecv`): NCCL messages as libfabric tagged
+//! messages. The tag is the receive comm's id (bits 32..56) and NCCL's tag
+//! (low 32 bits), so grouped receives match by tag and, per tag, in posting
+//! order (FIFO per comm); control tags set bit 63, which data tags never do.
+//! Receives are posted to the provider in NCCL's order (what the provider
+//! refuses for now waits, in order). A sender may have at most [`CREDITS`]
+//! messages the receiver has not matched; the receiver returns them in
+//! batches of [`CREDIT_BATCH`] as its receives complete, so however fast a
+//! sender runs, the receiver's provider buffers at most [`CREDITS`]
+//! unexpected messages per comm (rxm buffers each, up to 16 KiB). An `isend`
+//! without credit returns a NULL request.
 //!
-//! **Liveness** as SENDRECV's: `Alive` every heartbeat period from the
-//! keeper, a peer silent for `WEFT_PEER_TIMEOUT` is dead, and every request
-//! in flight fails. Receive buffers are never posted to the provider, so a
-//! failed receive leaves nothing of NCCL's with it; a write to a peer that
-//! died may still read its source buffer until the provider gives up on the
-//! connection (reads only: NCCL's registered memory is never written).
+//! **Liveness.** Both ends of a connected pair send `Alive` every heartbeat
+//! period (`WEFT_PEER_TIMEOUT` / 8), from the plugin's keeper thread, so a
+//! peer that is alive but busy elsewhere still answers; anything received
+//! from the peer counts as a sign of life. A peer silent for
+//! `WEFT_PEER_TIMEOUT` minus one period is dead, and so is one whose comm
+//! said `Bye` (closed): every request in flight fails, new ones are refused.
+//! Request age plays no part: a receive may wait for hours on a live peer.
+//!
+//! A failed request leaves nothing of NCCL's with the provider that it could
+//! write: receive buffers on the RDMA path are offered to the peer, never
+//! posted; tagged receives posted to the shared endpoint are cancelled, and
+//! a receive fails only once the provider has returned every one of its
+//! buffers (a closed receive comm waits for that too, up to
+//! `WEFT_PEER_TIMEOUT`). A send or write to a peer that died may still read
+//! its source buffer until the provider gives up on the connection (reads
+//! only: NCCL's memory is never written).
 
 use std::collections::VecDeque;
 use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
@@ -56,7 +78,7 @@ use super::ctrl::{send_ctrl_to, silent_peer, warn_dead, Link};
 use super::hub::{Ev, Hub, Inbox, Port};
 use super::pool::Pool;
 use super::sync::{hold, keeper_lock, lock, try_lock};
-use super::wire::{Ctrl, ListenHandle, PROTO_RDMA};
+use super::wire::{Ctrl, ListenHandle, PROTO_RDMA, PROTO_SENDRECV};
 use super::{heartbeat_period, DeviceState, Listener, Protocol, ReqId, Sender};
 use crate::error::{Error, Result};
 use crate::fabric::Endpoint;
@@ -69,6 +91,13 @@ pub use listen::ListenComm;
 pub use recv::RecvComm;
 pub use send::SendComm;
 
+/// Tagged path: credits are returned once this many are owed.
+pub const CREDIT_BATCH: u32 = 64;
+/// Tagged path: messages a sender may have unmatched at the receiver:
+/// NCCL's most in flight on a send comm (32 requests x 8 receives), plus one
+/// batch, since up to a batch less one may be owed but not yet returned.
+pub const CREDITS: u32 = (super::MAX_REQUESTS * super::MAX_RECVS) as u32 + CREDIT_BATCH;
+
 /// Eager messages a sender may have unconsumed at its receiver (each takes
 /// one of the receiver's posted bounce buffers, then at most one stashed
 /// copy until NCCL posts its receive).
@@ -76,19 +105,45 @@ pub const EAGER_CREDITS: u32 = 16;
 /// Eager credits are returned once this many are owed.
 const EAGER_CREDIT_BATCH: u32 = 4;
 
-/// The RDMA protocol.
-#[derive(Debug, Clone, Copy)]
-pub struct Rdma;
+/// How a comm's data travels (see the module's "Data").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// Receiver-driven `fi_writedata` (`WEFT_PROTOCOL=rdma`).
+    Rdma,
+    /// Tagged messages (`WEFT_PROTOCOL=sendrecv`).
+    Tagged,
+}
 
-impl Protocol for Rdma {
+impl Path {
+    /// The credits a receive comm grants its sender, and how many it
+    /// returns at once.
+    fn credits(self) -> (u32, u32) {
+        match self {
+            Path::Rdma => (EAGER_CREDITS, EAGER_CREDIT_BATCH),
+            Path::Tagged => (CREDITS, CREDIT_BATCH),
+        }
+    }
+}
+
+/// A protocol over the hub: its comms speak one [`Path`].
+#[derive(Debug, Clone, Copy)]
+pub struct OnHub(pub Path);
+
+impl Protocol for OnHub {
     fn name(&self) -> &'static str {
-        "rdma"
+        match self.0 {
+            Path::Rdma => "rdma",
+            Path::Tagged => "sendrecv",
+        }
     }
     fn wire_id(&self) -> u8 {
-        PROTO_RDMA
+        match self.0 {
+            Path::Rdma => PROTO_RDMA,
+            Path::Tagged => PROTO_SENDRECV,
+        }
     }
     fn listen(&self, dev: Arc<DeviceState>) -> Result<(Arc<dyn Listener>, ListenHandle)> {
-        let (l, h) = ListenComm::open(dev)?;
+        let (l, h) = ListenComm::open(dev, self.0, self.wire_id())?;
         Ok((Arc::new(l), h))
     }
     fn connect(
@@ -97,7 +152,12 @@ impl Protocol for Rdma {
         handle: &ListenHandle,
         traffic_class: i32,
     ) -> Result<Arc<dyn Sender>> {
-        Ok(Arc::new(SendComm::start(dev, handle, traffic_class)?))
+        Ok(Arc::new(SendComm::start(
+            dev,
+            self.0,
+            handle,
+            traffic_class,
+        )?))
     }
 }
 
@@ -296,11 +356,13 @@ fn keepalive_locked<S: Side>(
     }
 }
 
-/// The truncation error, worded for the side that reports it.
-fn truncation(side: &str, peer: &str, size: u64, tag: i32, cap: u64) -> Error {
+/// The truncation error, worded for the side that reports it; `size` where
+/// known (a provider reporting a truncated tagged receive may not say).
+fn truncation(side: &str, peer: &str, size: Option<u64>, tag: i32, cap: u64) -> Error {
+    let sent = size.map_or("more bytes than fit".to_owned(), |s| format!("{s} bytes"));
     let msg = format!(
-        "message truncated ({side}): {size} bytes with tag {tag} for a receive buffer of {cap} bytes at {peer}; \
-         nothing was written. NCCL never sends more than the receiver posted, so both ranks must run the same NCCL"
+        "message truncated ({side}): {sent} with tag {tag} for a receive buffer of {cap} bytes at {peer}; \
+         nothing was written past the buffer. NCCL never sends more than the receiver posted, so both ranks must run the same NCCL"
     );
     tracing::warn!("{msg}");
     Error::internal(msg)

@@ -4,13 +4,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::super::handshake::{self, nonce, Handshakes, Pending, Step};
-use super::super::wire::{Ctrl, ListenHandle, PROTO_RDMA};
+use super::super::wire::{Ctrl, ListenHandle};
 use super::super::{Comm, Listener, Receiver};
 use super::*;
 
 /// A listening comm.
 pub struct ListenComm {
     dev: Arc<DeviceState>,
+    path: Path,
     seat: Seat,
     nonce: u64,
     book: Mutex<Handshakes<Arc<RecvComm>, Ctrl>>,
@@ -20,25 +21,27 @@ impl std::fmt::Debug for ListenComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "rdma ListenComm(dev {}, id {})",
-            self.dev.index, self.seat.id
+            "{:?} ListenComm(dev {}, id {})",
+            self.path, self.dev.index, self.seat.id
         )
     }
 }
 
 impl ListenComm {
-    /// A listener on `dev` and its handle.
-    pub fn open(dev: Arc<DeviceState>) -> Result<(Self, ListenHandle)> {
+    /// A listener on `dev` for comms of `path` (protocol `proto` on the
+    /// wire), and its handle.
+    pub fn open(dev: Arc<DeviceState>, path: Path, proto: u8) -> Result<(Self, ListenHandle)> {
         let seat = Seat::new(&dev, Port::Passive)?;
         let handle = ListenHandle {
             nonce: nonce(),
             addr: seat.hub.name(Port::Passive).to_vec(),
             id: seat.id,
-            proto: PROTO_RDMA,
+            proto,
         };
         Ok((
             Self {
                 dev,
+                path,
                 seat,
                 nonce: handle.nonce,
                 book: Mutex::new(Handshakes::default()),
@@ -68,12 +71,15 @@ impl ListenComm {
                     );
                     return Ok(());
                 }
-                let comm = Arc::new(RecvComm::open(Arc::clone(&self.dev))?);
+                let comm = Arc::new(RecvComm::open(Arc::clone(&self.dev), self.path)?);
                 let ack = match comm.link_to(&addr, id) {
                     Ok(rid) => Ctrl::Ack {
                         conn,
-                        credits: EAGER_CREDITS,
-                        eager: self.seat.hub.eager_max() as u32,
+                        credits: self.path.credits().0,
+                        eager: match self.path {
+                            Path::Rdma => self.seat.hub.eager_max() as u32,
+                            Path::Tagged => 0,
+                        },
                         id: rid,
                         addr: self.seat.hub.name(Port::Passive).to_vec(),
                     },

@@ -1,0 +1,595 @@
+//! The receiving side. RDMA: offers buffers with `Rtr`, completes them when
+//! the write's immediate and its size both arrived. Tagged: posts them to
+//! the shared endpoint in NCCL's order, and takes back (cancels) what is
+//! still posted when the peer dies or the comm closes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use libfabric_sys as fi;
+
+use crate::fabric::CompletionError;
+
+use super::super::hub::{context, data_tag};
+use super::super::pool::Pool;
+use super::super::wire::RtrBuf;
+use super::super::{Comm, Done, Receiver, RecvBuf, ReqId, MAX_RECVS, MAX_REQUESTS};
+use super::*;
+
+/// A receiving comm.
+pub struct RecvComm {
+    dev: Arc<DeviceState>,
+    seat: Seat,
+    inner: Mutex<RecvState>,
+}
+
+/// A grouped receive.
+#[derive(Debug, Clone, Copy)]
+struct RReq {
+    n: u8,
+    caps: [u64; MAX_RECVS],
+    tags: [i32; MAX_RECVS],
+    /// Which receive of its tag each buffer is.
+    idxs: [u32; MAX_RECVS],
+    /// NCCL's buffers (eager data is copied there) and their descriptors.
+    data: [usize; MAX_RECVS],
+    descs: [usize; MAX_RECVS],
+    sizes: [usize; MAX_RECVS],
+    /// Buffers whose write landed (bit per buffer).
+    landed: u8,
+    /// Buffers whose size is known.
+    sized: u8,
+    /// A buffer's message was too large: (buffer, bytes where known).
+    trunc: Option<(u8, Option<u64>)>,
+    /// A buffer's receive failed in the provider: (buffer, fi errno).
+    failed: Option<(u8, u32)>,
+    /// The peer was declared dead.
+    dead: bool,
+    /// Tagged: buffers posted to the provider and not yet returned by it,
+    /// and those of them whose cancel was asked.
+    posted: u8,
+    cancelled: u8,
+}
+
+impl RReq {
+    fn all(&self) -> u8 {
+        ((1u16 << self.n) - 1) as u8
+    }
+    /// Done, one way or another, with nothing left with the provider.
+    fn finished(&self) -> bool {
+        (self.dead || (self.landed & self.sized) == self.all()) && self.posted == 0
+    }
+    /// Buffer `sub` gets `size` bytes. The sender checks the size against
+    /// the offer; a peer that did not gets a truncation error here.
+    fn size(&mut self, sub: u8, size: u64) {
+        let s = usize::from(sub);
+        if size > self.caps[s] {
+            self.trunc.get_or_insert((sub, Some(size)));
+            self.landed |= 1 << sub;
+        }
+        self.sizes[s] = size as usize;
+        self.sized |= 1 << sub;
+    }
+}
+
+struct RecvState {
+    path: Path,
+    peer: PeerLink,
+    reqs: Pool<RReq>,
+    /// The next Rtr's sequence number.
+    seq: u32,
+    /// Address buffers by offset into their registration (the provider's MR
+    /// mode lacks FI_MR_VIRT_ADDR).
+    offsets: bool,
+    /// Receives posted so far per tag (the next buffer's number).
+    next_idx: HashMap<i32, u32>,
+    /// Eager messages that arrived before their receive was posted
+    /// (at most EAGER_CREDITS).
+    stash: HashMap<(i32, u32), Vec<u8>>,
+    /// Credits to return (rdma: eager messages consumed; tagged: messages
+    /// matched).
+    credits_owed: u32,
+    /// Tagged: buffers (slot, buffer) the provider refused for now
+    /// (FI_EAGAIN), posted in order before any later one.
+    to_post: VecDeque<(u32, u8)>,
+}
+
+impl std::fmt::Debug for RecvComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RecvComm(dev {}, id {})", self.dev.index, self.seat.id)
+    }
+}
+
+impl RecvComm {
+    pub(super) fn open(dev: Arc<DeviceState>, path: Path) -> Result<Self> {
+        let seat = Seat::new(&dev, Port::Passive)?;
+        let reqs = Pool::new(MAX_REQUESTS).map_err(|e| Error::system(e.to_string()))?;
+        let offsets = !dev.virt_addr();
+        Ok(Self {
+            dev,
+            seat,
+            inner: Mutex::new(RecvState {
+                path,
+                peer: PeerLink::new(),
+                reqs,
+                seq: 0,
+                offsets,
+                next_idx: HashMap::new(),
+                stash: HashMap::new(),
+                credits_owed: 0,
+                to_post: VecDeque::new(),
+            }),
+        })
+    }
+
+    /// Records the connecting comm (`id` at `addr`); returns this comm's id.
+    pub(super) fn link_to(&self, addr: &[u8], id: u32) -> Result<u32> {
+        let mut st = lock(&self.inner);
+        st.peer.link.connect(self.seat.ep(), addr)?;
+        st.peer.id = id;
+        Ok(self.seat.id)
+    }
+
+    /// Sends a handshake message to the peer.
+    pub(super) fn say(&self, msg: Ctrl) -> Result<()> {
+        lock(&self.inner).peer.send(self.seat.ep(), msg)
+    }
+
+    /// Progresses; true once something arrived from the peer.
+    pub(super) fn confirmed(&self) -> Result<bool> {
+        let mut st = lock(&self.inner);
+        st.progress(&self.seat)?;
+        Ok(st.peer.link.heard)
+    }
+}
+
+impl Receiver for RecvComm {
+    /// `Ok(None)` when all requests are in use, or while another thread
+    /// holds the comm.
+    unsafe fn irecv(&self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
+        super::super::check_recv_count(bufs.len())?;
+        let Some(mut st) = try_lock(&self.inner) else {
+            return Ok(None);
+        };
+        st.peer.link.check()?;
+        let mut req = RReq {
+            n: bufs.len() as u8,
+            caps: [0; MAX_RECVS],
+            tags: [0; MAX_RECVS],
+            idxs: [0; MAX_RECVS],
+            data: [0; MAX_RECVS],
+            descs: [0; MAX_RECVS],
+            sizes: [0; MAX_RECVS],
+            landed: 0,
+            sized: 0,
+            trunc: None,
+            failed: None,
+            dead: false,
+            posted: 0,
+            cancelled: 0,
+        };
+        for (i, b) in bufs.iter().enumerate() {
+            req.caps[i] = b.size as u64;
+            req.tags[i] = b.tag;
+            req.data[i] = b.data as usize;
+            req.descs[i] = b.desc as usize;
+        }
+        if st.reqs.in_use() >= MAX_REQUESTS {
+            st.progress(&self.seat)?;
+            return Ok(None);
+        }
+        let Some((_, slot)) = st.reqs.insert(req) else {
+            return Err(Error::system(
+                "irecv: the request pool is full though it had room",
+            ));
+        };
+        let offered = match st.path {
+            Path::Rdma => st.offer(&self.seat, slot, bufs),
+            Path::Tagged => st.post_all(&self.seat, slot),
+        };
+        if let Err(e) = offered {
+            // A hard provider error, possibly part way through a grouped
+            // receive: the comm cannot go on. What was posted is cancelled
+            // (the request, which NCCL never sees, stays until it is back).
+            die(&mut *st, format!("posting a receive failed: {e}"));
+            if st.reqs.get(slot).is_some_and(|r| r.posted == 0) {
+                st.reqs.release(slot);
+            }
+            return Err(e);
+        }
+        Ok(Some(ReqId {
+            slot,
+            gen: st.reqs.gen(slot),
+        }))
+    }
+}
+
+impl Comm for RecvComm {
+    fn dev(&self) -> &Arc<DeviceState> {
+        &self.dev
+    }
+    fn test(&self, id: ReqId) -> Result<Option<Done>> {
+        let Some(mut st) = try_lock(&self.inner) else {
+            return Ok(None);
+        };
+        let Some(r) = take_done(
+            &mut *st,
+            &self.seat,
+            id,
+            "receive",
+            |st| &mut st.reqs,
+            |_, r| r.finished(),
+        )?
+        else {
+            return Ok(None);
+        };
+        if r.dead {
+            return Err(st.peer.link.dead_error());
+        }
+        if let Some((sub, e)) = r.failed {
+            let msg = format!(
+                "receive into buffer {sub} from peer {} failed: {} (fi errno {e})",
+                st.peer.link.name,
+                crate::fabric::strerror(e)
+            );
+            tracing::warn!("{msg}");
+            return Err(Error::remote(msg));
+        }
+        if let Some((sub, size)) = r.trunc {
+            let s = usize::from(sub);
+            return Err(truncation(
+                "receive",
+                &st.peer.link.name,
+                size,
+                r.tags[s],
+                r.caps[s],
+            ));
+        }
+        Ok(Some(Done {
+            n: usize::from(r.n),
+            sizes: r.sizes,
+        }))
+    }
+    fn keepalive(&self, now: Instant) {
+        keepalive_locked(&self.inner, &self.seat, self.dev.peer_timeout, now);
+    }
+    fn peer_name(&self) -> String {
+        lock(&self.inner).peer.link.name.clone()
+    }
+    fn hold(&self, held: &Tx<()>, release: &Rx<()>) {
+        hold(&self.inner, held, release);
+    }
+    /// Whether the provider still holds a posted buffer (tagged receives
+    /// only: RDMA buffers are offered to the peer, never posted).
+    fn endpoint_open(&self) -> bool {
+        lock(&self.inner).holds_posted()
+    }
+}
+
+impl Drop for RecvComm {
+    /// Says `Bye`, then takes back what is still posted: NCCL may free its
+    /// buffers once close returns. Waits for the provider up to
+    /// `WEFT_PEER_TIMEOUT`.
+    fn drop(&mut self) {
+        let st = &mut *lock(&self.inner);
+        say_bye(&mut st.peer, &self.seat);
+        if st.peer.link.dead.is_none() {
+            st.peer.link.dead = Some("the comm was closed".to_owned());
+        }
+        let deadline = Instant::now() + self.dev.peer_timeout;
+        while st.holds_posted() {
+            if let Err(e) = st.progress(&self.seat) {
+                tracing::warn!("closing a receive comm: {e}");
+            }
+            if Instant::now() > deadline {
+                tracing::warn!(
+                    "closing the receive comm from {}: the provider did not return posted receives within {:.1} s (WEFT_PEER_TIMEOUT); it may still write into them",
+                    st.peer.link.name,
+                    self.dev.peer_timeout.as_secs_f64()
+                );
+                break;
+            }
+            std::thread::yield_now();
+        }
+    }
+}
+
+impl Side for RecvState {
+    const WHAT: &'static str = "receive comm from";
+    fn peer(&mut self) -> &mut PeerLink {
+        &mut self.peer
+    }
+    fn linked(&self) -> bool {
+        self.peer.id != 0
+    }
+    fn fail_all(&mut self) -> usize {
+        self.reqs.fail_live(|r| {
+            let was = !r.finished();
+            r.dead |= was;
+            was
+        })
+    }
+    fn progress(&mut self, seat: &Seat) -> Result<()> {
+        if self.peer.link.dead.is_some() {
+            // Only take back what the provider still holds.
+            self.to_post.clear();
+            self.cancel_posted(seat);
+            for ev in seat.poll()? {
+                self.on_event(ev);
+            }
+            return Ok(());
+        }
+        self.peer.flush(seat.ep())?;
+        if self.credits_owed >= self.path.credits().1 {
+            let count = std::mem::take(&mut self.credits_owed);
+            self.peer.send(seat.ep(), Ctrl::Credit { count })?;
+        }
+        for ev in seat.poll()? {
+            self.peer.link.heard = true;
+            self.on_event(ev);
+        }
+        self.post_pending(seat)
+    }
+}
+
+impl RecvState {
+    /// Whether the provider holds a buffer of any request.
+    fn holds_posted(&self) -> bool {
+        self.reqs
+            .live()
+            .any(|i| self.reqs.get(i).is_some_and(|r| r.posted != 0))
+    }
+
+    fn on_event(&mut self, ev: Ev) {
+        match ev {
+            Ev::Landed(local, size) => self.on_landed(local >> 3, local & 7, size),
+            Ev::Ctrl(bytes) => self.on_ctrl(&bytes),
+            Ev::Done(local, len) => self.on_received(local, Ok(len)),
+            Ev::Failed(local, e) => self.on_received(local, Err(e)),
+        }
+    }
+
+    /// RDMA: numbers the buffers per tag, fills them from eager messages
+    /// that came first, and offers them to the sender.
+    fn offer(&mut self, seat: &Seat, slot: u32, bufs: &[RecvBuf]) -> Result<()> {
+        let mut idxs = [0; MAX_RECVS];
+        for (i, b) in bufs.iter().enumerate() {
+            let next = self.next_idx.entry(b.tag).or_insert(0);
+            idxs[i] = *next;
+            *next = next.wrapping_add(1);
+        }
+        if let Some(r) = self.reqs.get_mut(slot) {
+            r.idxs = idxs;
+        }
+        // Eager messages that came first go straight in.
+        for (i, b) in bufs.iter().enumerate() {
+            if let Some(data) = self.stash.remove(&(b.tag, idxs[i])) {
+                self.fill(slot, i as u8, &data);
+            }
+        }
+        let offsets = self.offsets;
+        let rtr = Ctrl::Rtr {
+            seq: self.seq,
+            slot: slot as u8,
+            bufs: bufs
+                .iter()
+                .zip(idxs)
+                .map(|(b, idx)| RtrBuf {
+                    tag: b.tag,
+                    idx,
+                    size: b.size as u64,
+                    addr: if offsets {
+                        (b.data as usize - b.base) as u64
+                    } else {
+                        b.data as u64
+                    },
+                    key: b.key,
+                })
+                .collect(),
+        };
+        self.seq = self.seq.wrapping_add(1);
+        self.peer.send(seat.ep(), rtr)
+    }
+
+    /// Tagged: posts the buffers of request `slot` unless earlier ones wait
+    /// (posting order is matching order); what the provider refuses for now
+    /// waits in order. No CQ read here: NCCL tests the request next, and
+    /// every read costs a system call on tcp.
+    fn post_all(&mut self, seat: &Seat, slot: u32) -> Result<()> {
+        let n = self.reqs.get(slot).map_or(0, |r| r.n);
+        for sub in 0..n {
+            self.to_post.push_back((slot, sub));
+        }
+        self.post_pending(seat)
+    }
+
+    /// Posts the waiting buffers, in order, until the provider says "not now".
+    fn post_pending(&mut self, seat: &Seat) -> Result<()> {
+        while let Some(&(slot, sub)) = self.to_post.front() {
+            let Some(r) = self.reqs.get(slot) else {
+                self.to_post.pop_front();
+                continue;
+            };
+            let s = usize::from(sub);
+            let ep = seat.ep();
+            // SAFETY: NCCL keeps the buffer writable for its size until the
+            // request is reported done or the comm closed, and neither
+            // happens while the provider holds it (see `finished`, Drop);
+            // the context names this comm, request and buffer.
+            let posted = unsafe {
+                ep.trecv(
+                    r.data[s] as *mut u8,
+                    r.caps[s] as usize,
+                    r.descs[s] as *mut std::ffi::c_void,
+                    self.peer.link.peer.addr,
+                    data_tag(seat.id, r.tags[s]),
+                    0,
+                    context(seat.id, (slot << 3) | u32::from(sub)),
+                )
+            };
+            match posted {
+                Ok(()) => {}
+                Err(e) if e.is_again() => return Ok(()),
+                Err(e) => return Err(e.into()),
+            }
+            if let Some(r) = self.reqs.get_mut(slot) {
+                r.posted |= 1 << sub;
+            }
+            self.to_post.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Tagged: asks the provider to give back every buffer still posted
+    /// (each comes back as a cancelled or finished receive).
+    fn cancel_posted(&mut self, seat: &Seat) {
+        let live: Vec<u32> = self.reqs.live().collect();
+        for slot in live {
+            let Some(r) = self.reqs.get_mut(slot) else {
+                continue;
+            };
+            let ask = r.posted & !r.cancelled;
+            r.cancelled |= ask;
+            for sub in (0..8u8).filter(|s| ask & (1 << s) != 0) {
+                // SAFETY: the context is one this comm posted; cancelling an
+                // operation the provider already finished is harmless
+                // (-FI_ENOENT), its completion arrives as usual.
+                let _ = unsafe {
+                    seat.ep()
+                        .cancel(context(seat.id, (slot << 3) | u32::from(sub)))
+                };
+            }
+        }
+    }
+
+    /// Tagged: the provider returned buffer `local` (slot << 3 | buffer),
+    /// with a message of `len` bytes, or failed (truncated, cancelled).
+    fn on_received(&mut self, local: u32, outcome: std::result::Result<usize, CompletionError>) {
+        let (slot, sub) = (local >> 3, (local & 7) as u8);
+        let name = &self.peer.link.name;
+        let Some(r) = self
+            .reqs
+            .get_mut(slot)
+            .filter(|r| r.posted & (1 << sub) != 0)
+        else {
+            tracing::warn!(
+                "receive comm from {name}: ignored a completion for buffer {sub} of request slot {slot}, which it has not posted"
+            );
+            return;
+        };
+        r.posted &= !(1 << sub);
+        let bit = 1 << sub;
+        match outcome {
+            Ok(len) => r.sizes[usize::from(sub)] = len,
+            Err(e) if e.err == fi::FI_ECANCELED => return,
+            Err(e) if e.err == fi::FI_ETRUNC => {
+                // Providers differ in what they report (shm gives no lengths).
+                let size = (e.olen > 0).then_some((e.len + e.olen) as u64);
+                r.trunc.get_or_insert((sub, size));
+            }
+            Err(e) => {
+                r.failed.get_or_insert((sub, e.err));
+            }
+        }
+        r.landed |= bit;
+        r.sized |= bit;
+        // Every matched message, delivered or failed, frees a credit.
+        self.credits_owed += 1;
+    }
+
+    /// The buffer a peer's message names, if it is one in flight.
+    fn buffer(&mut self, slot: u8, sub: u8, what: &str) -> Option<&mut RReq> {
+        let name = self.peer.link.name.clone();
+        let r = self
+            .reqs
+            .get_mut(u32::from(slot))
+            .filter(|r| sub < r.n && !r.finished());
+        if r.is_none() {
+            tracing::warn!(
+                "receive comm from {name}: ignored {what} for buffer {sub} of request slot {slot}, which is not in flight"
+            );
+        }
+        r
+    }
+
+    /// Eager message `idx` of `tag`: into its receive if posted, else kept
+    /// until it is.
+    fn on_eager(&mut self, tag: i32, idx: u32, data: Vec<u8>) {
+        let found = self.reqs.live().find_map(|i| {
+            let r = self.reqs.get(i)?;
+            (0..r.n)
+                .find(|&s| {
+                    let s = usize::from(s);
+                    r.tags[s] == tag && r.idxs[s] == idx && r.sized & (1 << s) == 0
+                })
+                .map(|s| (i, s))
+        });
+        match found {
+            Some((slot, sub)) => self.fill(slot, sub, &data),
+            None if self.stash.len() < EAGER_CREDITS as usize => {
+                self.stash.insert((tag, idx), data);
+            }
+            None => tracing::warn!(
+                "receive comm from {}: dropped an eager message beyond its {EAGER_CREDITS} credits (tag {tag})",
+                self.peer.link.name
+            ),
+        }
+    }
+
+    /// Copies eager data into buffer `sub` of request `slot` (nothing past
+    /// it: a larger message is a truncation error) and owes a credit back.
+    fn fill(&mut self, slot: u32, sub: u8, data: &[u8]) {
+        self.credits_owed += 1;
+        let Some(r) = self.reqs.get_mut(slot) else {
+            return;
+        };
+        let s = usize::from(sub);
+        if data.len() as u64 <= r.caps[s] && !data.is_empty() {
+            // SAFETY: NCCL keeps the buffer writable for its size until the
+            // request is reported done (its irecv contract); the data fits.
+            unsafe {
+                std::ptr::copy_nonoverlapping(data.as_ptr(), r.data[s] as *mut u8, data.len())
+            };
+        }
+        r.landed |= 1 << sub;
+        r.size(sub, data.len() as u64);
+    }
+
+    fn on_landed(&mut self, slot: u8, sub: u8, size: Option<u64>) {
+        if let Some(r) = self.buffer(slot, sub, "a write") {
+            r.landed |= 1 << sub;
+            if let Some(size) = size {
+                r.size(sub, size);
+            }
+        }
+    }
+
+    fn on_ctrl(&mut self, bytes: &[u8]) {
+        match Ctrl::decode(bytes) {
+            Ok(Ctrl::Alive) => {}
+            Ok(Ctrl::Bye) => on_bye(self),
+            Ok(Ctrl::Wrote { slot, sub, size }) => {
+                if let Some(r) = self.buffer(slot, sub, "a size") {
+                    if size == 0 {
+                        // Nothing to write: no immediate comes.
+                        r.landed |= 1 << sub;
+                    }
+                    r.size(sub, size);
+                }
+            }
+            Ok(Ctrl::Eager { tag, idx, data }) => self.on_eager(tag, idx, data),
+            Ok(Ctrl::Trunc { slot, sub, size }) => {
+                if let Some(r) = self.buffer(slot, sub, "a truncation") {
+                    r.trunc.get_or_insert((sub, Some(size)));
+                    r.landed |= 1 << sub;
+                    r.sized |= 1 << sub;
+                }
+            }
+            Ok(other) => {
+                tracing::warn!("receive comm: ignored unexpected control message {other:?}")
+            }
+            Err(e) => tracing::warn!("receive comm: ignored a bad control message: {e}"),
+        }
+    }
+}
