@@ -57,6 +57,12 @@ pub const TEST_PARAMS: &[Param] = &[
         accepted: "`1`",
         meaning: "the plugin behaves as if writes carried 4 bytes of immediate data (EFA, verbs), so rdma sends every size in a `Wrote` control message; read by the plugin itself, set by the tests that cover that path",
     },
+    Param {
+        name: "WEFT_TEST_MR_MODE",
+        default: "unset",
+        accepted: "comma-separated `local`, `prov_key`, `allocated`",
+        meaning: "the plugin honours and checks these MR modes as if the provider required them (neither here does): every posted buffer carries its descriptor, keys are arbitrary 64-bit values read back with `fi_mr_key`, unmapped memory is never registered; read by the plugin itself, set by the tests that cover those paths",
+    },
 ];
 
 /// The poll-loop timeout (`WEFT_TEST_TIMEOUT`, default 300 s).

@@ -160,3 +160,73 @@ fn garbage_peer_address_is_an_error_not_a_crash() {
         }
     }
 }
+
+/// `WEFT_TEST_MR_MODE`: each MR mode Weft honours for a provider that would
+/// require it is checked, and the check fails where Weft's obligation is
+/// not met.
+#[test]
+fn strict_mr_modes_refuse_what_such_a_provider_would() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_TEST_MR_MODE", "local,prov_key,allocated");
+    let (domain, a, _b) = open_pair("shm");
+    let mut buf = vec![0u8; 4096];
+    // FI_MR_LOCAL: a posted buffer without its descriptor is refused.
+    // SAFETY: refused before libfabric sees it (and `buf` outlives `a`).
+    let e = unsafe {
+        a.ep.trecv(
+            buf.as_mut_ptr(),
+            buf.len(),
+            std::ptr::null_mut(),
+            a.peer,
+            1,
+            0,
+            std::ptr::null_mut(),
+        )
+    }
+    .expect_err("a buffer without its descriptor");
+    assert!(e.to_string().contains("FI_MR_LOCAL"), "{e}");
+    // FI_MR_PROV_KEY: keys are arbitrary 64-bit values, read back.
+    // SAFETY: `buf` outlives both registrations.
+    let (m1, m2) = unsafe {
+        (
+            Mr::register(&domain, buf.as_ptr(), 2048, ACCESS_ALL).expect("register"),
+            Mr::register(&domain, buf.as_ptr().add(2048), 2048, ACCESS_ALL).expect("register"),
+        )
+    };
+    assert!(m1.key() > u64::from(u32::MAX) || m2.key() > u64::from(u32::MAX));
+    assert_ne!(m1.key(), m2.key(), "keys are unique in a domain");
+    // FI_MR_ALLOCATED: memory that is not mapped is refused.
+    // SAFETY: a fresh anonymous mapping, unmapped at once: its range is
+    // then not allocated memory, and nothing reads it.
+    let gone = unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            8192,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        assert_ne!(p, libc::MAP_FAILED);
+        libc::munmap(p, 8192);
+        p.cast::<u8>()
+    };
+    // SAFETY: refused before libfabric sees the range.
+    let e = unsafe { Mr::register(&domain, gone, 8192, ACCESS_ALL) }.expect_err("unmapped memory");
+    assert!(e.to_string().contains("FI_MR_ALLOCATED"), "{e}");
+    // With its descriptor the same buffer posts.
+    // SAFETY: `buf` and its registration outlive the endpoint's use of it.
+    unsafe {
+        a.ep.trecv(
+            buf.as_mut_ptr(),
+            2048,
+            m1.desc(),
+            a.peer,
+            1,
+            0,
+            std::ptr::null_mut(),
+        )
+    }
+    .expect("a registered buffer with its descriptor posts");
+    drop((a, _b));
+}

@@ -121,6 +121,40 @@ fn shm_two_processes_offset_addressing() {
     );
 }
 
+/// Both protocols as on a provider that requires `FI_MR_LOCAL`,
+/// `FI_MR_PROV_KEY` and `FI_MR_ALLOCATED` (neither here does): Weft checks
+/// its own obligations, so a buffer posted without its descriptor, a key
+/// assumed rather than read back, or a registration of unmapped memory
+/// fails the exchange (`fabric.rs` shows each check failing).
+fn strict_mr_modes(protocol: &str, provider: &str) {
+    std::env::set_var("WEFT_TEST_MR_MODE", "local,prov_key,allocated");
+    with_protocol(protocol, provider);
+}
+
+#[test]
+fn tcp_two_processes_strict_mr_modes() {
+    weft_tests::isolated!();
+    strict_mr_modes("rdma", "tcp");
+}
+
+#[test]
+fn shm_two_processes_strict_mr_modes() {
+    weft_tests::isolated!();
+    strict_mr_modes("rdma", "shm");
+}
+
+#[test]
+fn tcp_two_processes_strict_mr_modes_sendrecv() {
+    weft_tests::isolated!();
+    strict_mr_modes("sendrecv", "tcp");
+}
+
+#[test]
+fn shm_two_processes_strict_mr_modes_sendrecv() {
+    weft_tests::isolated!();
+    strict_mr_modes("sendrecv", "shm");
+}
+
 /// Ranks with different protocols: `connect` fails at once, naming both
 /// and the setting to fix.
 #[test]

@@ -58,6 +58,9 @@ pub struct Domain {
     ptr: *mut fi::fid_domain,
     info: OwnedInfo,
     next_key: AtomicU64,
+    /// MR modes honoured as if the provider required them
+    /// (`WEFT_TEST_MR_MODE`; see [`strict_modes`]).
+    strict: u32,
     /// The length of this domain's endpoint names (learned from the first
     /// endpoint; 0 until then).
     name_len: AtomicUsize,
@@ -83,6 +86,7 @@ impl Domain {
             ptr,
             info,
             next_key: AtomicU64::new(1),
+            strict: strict_modes(),
             name_len: AtomicUsize::new(0),
             _fabric: fabric,
         }))
@@ -93,13 +97,32 @@ impl Domain {
         self.info.as_ref()
     }
 
+    /// The MR modes Weft honours on this domain: the provider's, and those
+    /// a test switch adds.
+    pub fn mr_mode(&self) -> u32 {
+        self.info().mr_mode() | self.strict
+    }
+
+    /// Whether Weft behaves as if the provider required MR mode `bit`
+    /// without it doing so (a test switch: Weft checks its own obligations).
+    pub(crate) fn strict(&self, bit: u32) -> bool {
+        self.strict & bit != 0
+    }
+
     /// The key to request for a new registration: 0 where the provider picks
-    /// keys (`FI_MR_PROV_KEY`), else a key unique within this domain.
+    /// keys (`FI_MR_PROV_KEY`), else a key unique within this domain. Peers
+    /// only ever get the key the provider reports (`fi_mr_key`); with
+    /// `FI_MR_PROV_KEY` emulated, requested keys are arbitrary 64-bit values
+    /// (a bijection of the counter), as a provider's may be.
     pub(crate) fn requested_key(&self) -> u64 {
-        if self.info().mr_mode() & libfabric_sys::FI_MR_PROV_KEY != 0 {
-            0
+        if self.info().mr_mode() & fi::FI_MR_PROV_KEY != 0 {
+            return 0;
+        }
+        let n = self.next_key.fetch_add(1, Ordering::Relaxed);
+        if self.strict(fi::FI_MR_PROV_KEY) {
+            n.wrapping_mul(0x9E37_79B9_7F4A_7C15)
         } else {
-            self.next_key.fetch_add(1, Ordering::Relaxed)
+            n
         }
     }
 
@@ -152,4 +175,33 @@ impl Drop for Domain {
         // domain, so all of them are closed before this runs.
         close_fid(unsafe { &raw mut (*self.ptr).fid }, "domain");
     }
+}
+
+/// Test switch `WEFT_TEST_MR_MODE`: a comma-separated list of `local`,
+/// `prov_key` and `allocated`, MR modes neither provider here requires,
+/// which Weft then honours and checks as if it did:
+/// - `local` (`FI_MR_LOCAL`): every buffer posted to an endpoint carries its
+///   registration's descriptor, else the post fails;
+/// - `prov_key` (`FI_MR_PROV_KEY`): keys are arbitrary 64-bit values, and
+///   peers get only what `fi_mr_key` reports;
+/// - `allocated` (`FI_MR_ALLOCATED`): a registration of memory that is not
+///   mapped fails before the provider sees it.
+///
+/// `FI_MR_ENDPOINT` is not among them: Weft does not ask for it (see the
+/// README's "Memory registration").
+pub fn strict_modes() -> u32 {
+    let Ok(v) = std::env::var("WEFT_TEST_MR_MODE") else {
+        return 0;
+    };
+    v.split(',')
+        .map(|w| match w.trim() {
+            "local" => fi::FI_MR_LOCAL,
+            "prov_key" => fi::FI_MR_PROV_KEY,
+            "allocated" => fi::FI_MR_ALLOCATED,
+            other => {
+                tracing::warn!("WEFT_TEST_MR_MODE: ignored unknown mode {other:?}");
+                0
+            }
+        })
+        .fold(0, |a, b| a | b)
 }

@@ -155,6 +155,7 @@ impl Endpoint {
         ctx: *mut libc::c_void,
     ) -> Result<(), FiError> {
         let ep = self.live("fi_tsend")?;
+        self.check_desc("fi_tsend", len, desc)?;
         // SAFETY: upheld by the caller as documented.
         check("fi_tsend", unsafe {
             fi::fi_tsend(ep, buf.cast(), len, desc, dest, tag, ctx)
@@ -179,6 +180,7 @@ impl Endpoint {
         ctx: *mut libc::c_void,
     ) -> Result<(), FiError> {
         let ep = self.live("fi_trecv")?;
+        self.check_desc("fi_trecv", len, desc)?;
         // SAFETY: upheld by the caller as documented.
         check("fi_trecv", unsafe {
             fi::fi_trecv(ep, buf.cast(), len, desc, src, tag, ignore, ctx)
@@ -206,12 +208,33 @@ impl Endpoint {
         ctx: *mut libc::c_void,
     ) -> Result<(), FiError> {
         let ep = self.live("fi_writedata")?;
+        self.check_desc("fi_writedata", len, desc)?;
         // SAFETY: upheld by the caller as documented; the remote range is the
         // peer's to validate (its provider checks the key and bounds).
         check("fi_writedata", unsafe {
             fi::fi_writedata(ep, buf.cast(), len, desc, data, dest, raddr, key, ctx)
         })
         .map(drop)
+    }
+
+    /// Where Weft honours `FI_MR_LOCAL` without the provider requiring it
+    /// (`WEFT_TEST_MR_MODE=local`): a buffer posted without its
+    /// registration's descriptor is refused, as such a provider would.
+    fn check_desc(
+        &self,
+        call: &'static str,
+        len: usize,
+        desc: *mut libc::c_void,
+    ) -> Result<(), FiError> {
+        if len > 0 && desc.is_null() && self._domain.strict(fi::FI_MR_LOCAL) {
+            return Err(FiError {
+                call,
+                code: fi::FI_EINVAL,
+                text: "FI_MR_LOCAL: a local buffer posted without its registration's descriptor"
+                    .to_owned(),
+            });
+        }
+        Ok(())
     }
 
     /// Sends a small message that libfabric copies at once (no completion).

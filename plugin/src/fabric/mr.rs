@@ -35,6 +35,9 @@ impl Mr {
         len: usize,
         access: u64,
     ) -> Result<Self, FiError> {
+        if domain.strict(fi::FI_MR_ALLOCATED) {
+            check_mapped(addr, len)?;
+        }
         let mut ptr = ptr::null_mut();
         let key = domain.requested_key();
         // SAFETY: the caller keeps the range mapped; domain is live; `ptr`
@@ -69,6 +72,30 @@ impl Mr {
         // SAFETY: `ptr` is a live MR.
         unsafe { fi::fi_mr_key(self.ptr) }
     }
+}
+
+/// `FI_MR_ALLOCATED` honoured by Weft itself (`WEFT_TEST_MR_MODE=allocated`):
+/// every page of `addr..addr+len` must be mapped.
+fn check_mapped(addr: *const u8, len: usize) -> Result<(), FiError> {
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    let start = addr as usize & !(page - 1);
+    let end = (addr as usize).saturating_add(len.max(1));
+    let pages = (end - start).div_ceil(page);
+    let mut vec = vec![0u8; pages];
+    // SAFETY: mincore only reads the page tables of the range and writes
+    // one byte per page into `vec`, which has room for all of them.
+    let r = unsafe { libc::mincore(start as *mut libc::c_void, pages * page, vec.as_mut_ptr()) };
+    if r != 0 {
+        return Err(FiError {
+            call: "fi_mr_reg",
+            code: fi::FI_EINVAL,
+            text: format!(
+                "FI_MR_ALLOCATED: {len} bytes at {addr:p} are not all allocated (mapped) memory"
+            ),
+        });
+    }
+    Ok(())
 }
 
 impl Drop for Mr {
