@@ -116,11 +116,19 @@ pub fn poll_until<T>(what: &str, mut step: impl FnMut() -> Option<T>) -> T {
 /// The domain of the first loopback device of `provider` (for tests and
 /// tools that use the fabric layer directly).
 pub fn loopback_domain(provider: &str) -> Result<std::sync::Arc<weft::fabric::Domain>, String> {
+    loopback_domain_for(provider, false)
+}
+
+/// [`loopback_domain`], opened for RMA (`rma`) as the RDMA protocol opens it.
+pub fn loopback_domain_for(
+    provider: &str,
+    rma: bool,
+) -> Result<std::sync::Arc<weft::fabric::Domain>, String> {
     let devs = weft::device::discover(&loopback(provider)).map_err(|e| e.to_string())?;
     let dev = devs
         .first()
         .ok_or_else(|| format!("{provider}: no loopback device"))?;
-    weft::fabric::Domain::open(dev.info.as_ref()).map_err(|e| e.to_string())
+    weft::fabric::Domain::open(dev.info_for(rma)).map_err(|e| e.to_string())
 }
 
 /// A configuration that uses exactly `provider` on loopback (`lo`) only.

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick]
-//!            [--sizes 8,64,...] [--impls raw,weft] [--raw-split] [--out DIR]
+//!            [--sizes 8,64,...] [--impls raw,rma,weft] [--raw-split] [--out DIR]
 //!            [--micro | --micro-only] [--no-plot]
 //! ```
 //!
@@ -21,7 +21,11 @@
 //! * **latency**: ping-pong, half the round-trip time.
 //!
 //! Raw uses `fi_tsend`/`fi_trecv` with the same tags, window and buffers as
-//! Weft's `isend`/`irecv`. Output: a table (medians, spread = (max-min)/median,
+//! Weft's `isend`/`irecv`. Raw RMA (`rma`, the RDMA protocol's baseline)
+//! moves the same data with `fi_writedata` straight into the peer's buffer
+//! at the same offset (addresses and keys swapped once per size, no control
+//! message per write); a receive completes when a write's immediate arrives.
+//! Its "go" messages stay tagged, as in the other two. Output: a table (medians, spread = (max-min)/median,
 //! Weft/raw), `bench.csv`, `bench.json` and `bench.png` (bandwidth vs size) in
 //! `--out` (default `target/bench`). `--micro` adds instruction counts of the
 //! micro-benchmark cases under callgrind (see `weft-micro`); `--micro-only`
@@ -112,7 +116,8 @@ fn wait_all(t: &mut dyn Transport, reqs: &[Req]) -> Res<()> {
 
 /// Raw libfabric: one RDM endpoint, tagged messages to one peer; with
 /// `--raw-split`, a second endpoint for receiving (one per direction, as
-/// Weft's send and receive comms have).
+/// Weft's send and receive comms have). In `rma` mode, data, pings and
+/// pongs are `fi_writedata`s instead.
 struct Raw {
     domain: Arc<Domain>,
     ep: Endpoint,
@@ -122,11 +127,21 @@ struct Raw {
     /// Completion seen, by context index.
     done: Vec<bool>,
     free: Vec<usize>,
+    /// Writes instead of tagged messages (except "go").
+    rma: bool,
+    /// Where the peer's buffer for each tag is: (address or 0 where the
+    /// provider addresses by offset, key).
+    remote: [(u64, u64); 5],
+    /// Writes landed per tag, receives asked per tag, and the receives
+    /// waiting: (context index, tag, the landed count that completes it).
+    landed: [u64; 5],
+    asked: [u64; 5],
+    waiting: Vec<(usize, usize, u64)>,
 }
 
 impl Raw {
     fn open(provider: &str, split: bool) -> Res<Self> {
-        let domain = weft_tests::loopback_domain(provider)?;
+        let domain = weft_tests::loopback_domain_for(provider, true)?;
         let open = || Endpoint::open_own(&domain).map_err(|e| e.to_string());
         let ep = open()?;
         let rx = if split {
@@ -141,7 +156,23 @@ impl Raw {
             peer: libfabric_sys::FI_ADDR_NOTAVAIL,
             done: Vec::new(),
             free: Vec::new(),
+            rma: false,
+            remote: [(0, 0); 5],
+            landed: [0; 5],
+            asked: [0; 5],
+            waiting: Vec::new(),
         })
+    }
+
+    /// The address a peer writes buffer `b` at: its virtual address, or 0
+    /// where the provider addresses registrations by offset.
+    fn base(&self, b: &Buf) -> u64 {
+        let virt = self.domain.mr_mode() & libfabric_sys::FI_MR_VIRT_ADDR != 0;
+        if virt {
+            b.ptr(0) as u64
+        } else {
+            0
+        }
     }
 
     fn slot(&mut self) -> usize {
@@ -163,7 +194,19 @@ impl Raw {
             loop {
                 let n = ep.cq().read(&mut c).map_err(|e| format!("raw cq: {e:?}"))?;
                 for comp in &c[..n] {
-                    self.done[comp.op_context as usize - 1] = true;
+                    if comp.flags & u64::from(libfabric_sys::FI_REMOTE_WRITE) != 0 {
+                        let tag = (comp.data as usize).min(4);
+                        self.landed[tag] += 1;
+                        let landed = self.landed;
+                        let done = &mut self.done;
+                        self.waiting.retain(|&(i, t, want)| {
+                            let arrived = landed[t] >= want;
+                            done[i] |= arrived;
+                            !arrived
+                        });
+                    } else {
+                        self.done[comp.op_context as usize - 1] = true;
+                    }
                 }
                 if n < c.len() {
                     break;
@@ -196,6 +239,25 @@ impl Raw {
 impl Transport for Raw {
     fn send(&mut self, b: &Buf, off: usize, size: usize, tag: Tag) -> Res<Req> {
         let desc = b.raw.as_ref().map_or(std::ptr::null_mut(), Mr::desc);
+        if self.rma && !matches!(tag, Tag::Go) {
+            let (base, key) = self.remote[tag as usize];
+            return self.post("fi_writedata", |r, ctx| {
+                // SAFETY: as for a tagged send; the remote range is the
+                // peer's registered buffer for this tag, at the same offset.
+                unsafe {
+                    r.ep.writedata(
+                        b.ptr(off),
+                        size,
+                        desc,
+                        tag as u64,
+                        r.peer,
+                        base + off as u64,
+                        key,
+                        ctx,
+                    )
+                }
+            });
+        }
         self.post("fi_tsend", |r, ctx| {
             // SAFETY: the buffer outlives the request (rounds wait for every
             // request before their buffers go); the context is a plain index.
@@ -205,6 +267,19 @@ impl Transport for Raw {
 
     fn recv(&mut self, b: &Buf, off: usize, size: usize, tag: Tag) -> Res<Req> {
         let desc = b.raw.as_ref().map_or(std::ptr::null_mut(), Mr::desc);
+        if self.rma && !matches!(tag, Tag::Go) {
+            // The peer writes into `b` at `off`: this receive is the next
+            // write of its tag to land.
+            let i = self.slot();
+            let t = tag as usize;
+            self.asked[t] += 1;
+            if self.landed[t] >= self.asked[t] {
+                self.done[i] = true;
+            } else {
+                self.waiting.push((i, t, self.asked[t]));
+            }
+            return Ok(Req::Raw(i));
+        }
         self.post("fi_trecv", |r, ctx| {
             let (ep, from) = r.rx.as_ref().map_or((&r.ep, r.peer), |x| (&x.0, x.1));
             // SAFETY: as for send.
@@ -354,8 +429,9 @@ impl Side {
     }
 
     fn transport(&mut self, which: &str) -> Res<&mut dyn Transport> {
+        self.raw.rma = which == "rma";
         match which {
-            "raw" => Ok(&mut self.raw),
+            "raw" | "rma" => Ok(&mut self.raw),
             "weft" => Ok(&mut self.weft),
             other => Err(format!("unknown transport {other:?}")),
         }
@@ -596,7 +672,16 @@ fn serve(provider: &str, version: u32, split: bool) -> Res<()> {
                 if let Some(b) = bufs.take() {
                     b.free(&side)?;
                 }
-                bufs = Some(Bufs::new(&side, num(1)?, num(2)?)?);
+                let b = bufs.insert(Bufs::new(&side, num(1)?, num(2)?)?);
+                // Raw RMA: pongs go to the client's pong buffer; data and
+                // pings come to this side's data buffer.
+                side.raw.remote[Tag::Pong as usize] = (num(3)? as u64, num(4)? as u64);
+                say(&format!(
+                    "ok {} {}",
+                    side.raw.base(&b.data),
+                    b.data.raw.as_ref().map_or(0, Mr::key)
+                ))?;
+                continue;
             }
             Some("bw") => {
                 let b = bufs.as_ref().ok_or("prep first")?;
@@ -685,7 +770,7 @@ struct Plan {
 
 /// The implementations of repetition `rep`, in alternating order.
 fn order(plan: &Plan, rep: usize) -> Vec<&'static str> {
-    let mut v: Vec<&'static str> = ["raw", "weft"]
+    let mut v: Vec<&'static str> = ["raw", "rma", "weft"]
         .into_iter()
         .filter(|i| plan.impls.iter().any(|p| p == i))
         .collect();
@@ -734,8 +819,22 @@ fn client(provider: &str, version: u32, plan: &Plan) -> Res<()> {
             b.free(&side)?;
         }
         let b = bufs.insert(Bufs::new(&side, size, n)?);
-        srv.say(&format!("prep {size} {n}"))?;
-        srv.ok()?;
+        srv.say(&format!(
+            "prep {size} {n} {} {}",
+            side.raw.base(&b.pong),
+            b.pong.raw.as_ref().map_or(0, Mr::key)
+        ))?;
+        let theirs: Vec<u64> = srv
+            .ok()?
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        let [base, key] = theirs[..] else {
+            return Err(format!("prep: the server sent {theirs:?}"));
+        };
+        side.raw.remote[Tag::Data as usize] = (base, key);
+        side.raw.remote[Tag::Ping as usize] = (base, key);
         for &window in &plan.windows {
             let count = round_count(size, window, plan.quick);
             let mut vals: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
@@ -750,10 +849,10 @@ fn client(provider: &str, version: u32, plan: &Plan) -> Res<()> {
                         .or_default()
                         .push((count * size) as f64 / secs / 1e6);
                     if size == 8 {
-                        vals.entry(if imp == "raw" {
-                            "raw-rate"
-                        } else {
-                            "weft-rate"
+                        vals.entry(match imp {
+                            "raw" => "raw-rate",
+                            "rma" => "rma-rate",
+                            _ => "weft-rate",
                         })
                         .or_default()
                         .push(count as f64 / secs / 1e6);
@@ -876,8 +975,16 @@ fn table(m: &BTreeMap<Key, BTreeMap<String, Vec<f64>>>) -> (String, String) {
                 _ => "ping-pong latency, half round trip, us",
             };
             t.push_str(&format!(
-                "\n{p}: {what}\n{:<9} {:>6} {:>11} {:>7} {:>11} {:>7} {:>10}\n",
-                "size", "window", "raw", "spread", "weft", "spread", "weft/raw"
+                "\n{p}: {what}\n{:<9} {:>6} {:>11} {:>7} {:>11} {:>7} {:>10} {:>11} {:>10}\n",
+                "size",
+                "window",
+                "raw",
+                "spread",
+                "weft",
+                "spread",
+                "weft/raw",
+                "raw write",
+                "weft/write"
             ));
             last = head;
         }
@@ -894,20 +1001,35 @@ fn table(m: &BTreeMap<Key, BTreeMap<String, Vec<f64>>>) -> (String, String) {
         } else {
             format!("{ratio:.3}")
         };
+        // Raw fi_writedata, the RDMA protocol's baseline (where measured).
+        let (mm, mlo, mhi) = stats(imps.get("rma").map_or(&[][..], |v| v));
+        let vs_write = if mm.is_nan() {
+            "-".to_owned()
+        } else if test == "lat" {
+            format!("{:+.2} us", wm - mm)
+        } else {
+            format!("{:.3}", wm / mm)
+        };
         t.push_str(&format!(
-            "{:<9} {:>6} {:>11.3} {:>6.1}% {:>11.3} {:>6.1}% {:>10}\n",
+            "{:<9} {:>6} {:>11.3} {:>6.1}% {:>11.3} {:>6.1}% {:>10} {:>11.3} {:>10}\n",
             human(*size),
             w,
             rm,
             (rhi - rlo) / rm * 100.0,
             wm,
             (whi - wlo) / wm * 100.0,
-            diff
+            diff,
+            mm,
+            vs_write
         ));
         for (imp, (med, lo, hi), n) in [
             ("raw", (rm, rlo, rhi), imps.get("raw").map_or(0, Vec::len)),
+            ("rma", (mm, mlo, mhi), imps.get("rma").map_or(0, Vec::len)),
             ("weft", (wm, wlo, whi), imps.get("weft").map_or(0, Vec::len)),
         ] {
+            if n == 0 {
+                continue;
+            }
             csv.push_str(&format!(
                 "{p},{test},{size},{w},{imp},{unit},{med:.4},{lo:.4},{hi:.4},{n},{ratio:.4}\n"
             ));
@@ -1124,7 +1246,7 @@ fn run() -> Res<()> {
     let mut reps = 5usize;
     let mut quick = false;
     let mut sizes: Option<Vec<usize>> = None;
-    let mut impls = vec!["raw".to_owned(), "weft".to_owned()];
+    let mut impls = vec!["raw".to_owned(), "rma".to_owned(), "weft".to_owned()];
     let mut raw_split = false;
     let mut out = PathBuf::from("target/bench");
     let (mut micro_too, mut plot_too) = (false, true);
@@ -1158,7 +1280,7 @@ fn run() -> Res<()> {
             }
             "--no-plot" => plot_too = false,
             "-h" | "--help" => {
-                println!("usage: weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick] [--sizes 8,64,...] [--impls raw,weft] [--raw-split] [--out DIR] [--micro | --micro-only] [--no-plot]");
+                println!("usage: weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick] [--sizes 8,64,...] [--impls raw,rma,weft] [--raw-split] [--out DIR] [--micro | --micro-only] [--no-plot]");
                 return Ok(());
             }
             other => return Err(format!("unknown argument {other:?}; try --help")),
