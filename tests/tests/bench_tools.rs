@@ -43,6 +43,7 @@ fn quick_run_writes_table_csv_json_and_png() {
         "ping-pong latency",
         "message rate at 8 B",
         "weft/raw",
+        "weft/write",
         "load average",
     ] {
         assert!(stdout.contains(what), "the table lacks {what:?}");
@@ -56,7 +57,7 @@ fn quick_run_writes_table_csv_json_and_png() {
         ("lat", 8),
         ("lat", 65536),
     ] {
-        for imp in ["raw", "weft"] {
+        for imp in ["raw", "rma", "weft"] {
             let prefix = format!("shm,{test},{size},");
             let row = rows
                 .iter()
