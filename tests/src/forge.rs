@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use weft::fabric::{Completion, Domain, Endpoint, FiAddr, Mr, ACCESS_ALL};
 use weft::proto::wire::{Ctrl, CTRL_MAX};
-use weft::proto::CTRL_TAG;
+use weft::proto::{frame, unframe, CTRL_ID};
 
 /// The hand-driven peer.
 #[derive(Debug)]
@@ -27,7 +27,7 @@ impl Forger {
     pub fn open(provider: &str) -> Self {
         let domain = crate::loopback_domain(provider).expect("forger domain");
         let ep = Endpoint::open_own(&domain).expect("forger endpoint");
-        let buf = vec![0u8; CTRL_MAX];
+        let buf = vec![0u8; CTRL_ID + CTRL_MAX];
         // SAFETY: `buf` lives, unmoved, as long as the registration (both
         // are fields of the forger, dropped after the endpoint).
         let mr = unsafe { Mr::register(&domain, buf.as_ptr(), buf.len(), ACCESS_ALL) }
@@ -46,13 +46,11 @@ impl Forger {
     fn post(&self) {
         // SAFETY: the buffer and its registration outlive the endpoint.
         unsafe {
-            self.ep.trecv(
+            self.ep.recv(
                 self.buf.as_ptr().cast_mut(),
-                CTRL_MAX,
+                self.buf.len(),
                 self._mr.desc(),
                 libfabric_sys::FI_ADDR_UNSPEC,
-                CTRL_TAG,
-                0xFFFF_FFFF, // for any comm id
                 std::ptr::null_mut(),
             )
         }
@@ -83,14 +81,10 @@ impl Forger {
     /// [`Forger::send`], calling `progress` between tries (the receiving
     /// side in this process must make progress for shm to take the message).
     pub fn send_while(&self, to: FiAddr, msg: &Ctrl, mut progress: impl FnMut()) {
-        let mut b = [0u8; CTRL_MAX];
-        let n = msg.encode(&mut b);
+        let b = frame(self.id.get(), msg);
         let mut c = [Completion::default(); 4];
         crate::poll_until("forger send", || {
-            match self
-                .ep
-                .tinject(&b[..n], to, CTRL_TAG | u64::from(self.id.get()))
-            {
+            match self.ep.inject(&b, to) {
                 Ok(()) => return Some(()),
                 Err(e) if e.is_again() => {}
                 Err(e) => panic!("forger send: {e}"),
@@ -106,7 +100,7 @@ impl Forger {
         let mut c = [Completion::default(); 1];
         match self.ep.cq().read(&mut c) {
             Ok(1) => {
-                let msg = Ctrl::decode(&self.buf[..c[0].len]).ok();
+                let msg = unframe(&self.buf[..c[0].len]).and_then(|(_, b)| Ctrl::decode(b).ok());
                 self.post();
                 msg
             }

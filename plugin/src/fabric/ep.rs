@@ -188,6 +188,27 @@ impl Endpoint {
         .map(drop)
     }
 
+    /// Posts an untagged receive (any message from `src`).
+    ///
+    /// # Safety
+    /// As for [`Endpoint::trecv`].
+    pub unsafe fn recv(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        desc: *mut libc::c_void,
+        src: FiAddr,
+        ctx: *mut libc::c_void,
+    ) -> Result<(), FiError> {
+        let ep = self.live("fi_recv")?;
+        self.check_desc("fi_recv", len, desc)?;
+        // SAFETY: upheld by the caller as documented.
+        check("fi_recv", unsafe {
+            fi::fi_recv(ep, buf.cast(), len, desc, src, ctx)
+        })
+        .map(drop)
+    }
+
     /// Writes `len` bytes into a peer's registered memory at `raddr` (key
     /// `key`) and raises a completion there carrying `data` (remote CQ data).
     /// `FI_EAGAIN` means "progress the CQ and retry".
@@ -243,6 +264,17 @@ impl Endpoint {
         // SAFETY: fi_tinject copies `data` before returning.
         check("fi_tinject", unsafe {
             fi::fi_tinject(ep, data.as_ptr().cast(), data.len(), dest, tag)
+        })
+        .map(drop)
+    }
+
+    /// Sends a small untagged message that libfabric copies at once (no
+    /// completion).
+    pub fn inject(&self, data: &[u8], dest: FiAddr) -> Result<(), FiError> {
+        let ep = self.live("fi_inject")?;
+        // SAFETY: fi_inject copies `data` before returning.
+        check("fi_inject", unsafe {
+            fi::fi_inject(ep, data.as_ptr().cast(), data.len(), dest)
         })
         .map(drop)
     }

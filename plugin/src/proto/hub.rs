@@ -9,9 +9,9 @@
 //! So every pair of endpoints is connected by one side only, whatever the
 //! comms between two processes, and the simultaneous-connect livelock of
 //! tcp;ofi_rxm (libfabric #9052) cannot occur. A comm is an id on its
-//! endpoint (24 bits) and an [`Inbox`]: control messages carry the id in
-//! their tag's low bits, tagged data messages in bits 32..56 of theirs
-//! ([`data_tag`]), operations carry it in their context's high 32 bits, and
+//! endpoint (24 bits) and an [`Inbox`]: control messages (untagged) carry
+//! the id in their first bytes, tagged data messages in bits 32..56 of their
+//! tag ([`data_tag`]), operations carry it in their context's high 32 bits, and
 //! remote writes in their immediate's high 24 bits.
 //!
 //! **Progress.** Whichever thread calls [`Hub::progress`] first reads the
@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use libfabric_sys as fi;
 
 use super::cq::{drain, Event};
-use super::ctrl::{CtrlBufs, CTRL_ID_MASK, CTRL_TAG};
+use super::ctrl::{unframe, CtrlBufs, CTRL_ID};
 use super::wire::{CTRL_MAX, EAGER_HEAD};
 use super::DeviceState;
 use crate::error::{Error, Result};
@@ -96,8 +96,7 @@ pub fn context(id: u32, local: u32) -> *mut c_void {
     ((u64::from(id) << 32) | u64::from(local)) as usize as *mut c_void
 }
 
-/// The tag of a data message to comm `id` at the peer with NCCL's `tag`
-/// (bit 63, which marks control messages, stays clear).
+/// The tag of a data message to comm `id` at the peer with NCCL's `tag`.
 pub fn data_tag(id: u32, tag: i32) -> u64 {
     (u64::from(id & (MAX_ID - 1)) << 32) | u64::from(tag as u32)
 }
@@ -146,11 +145,11 @@ impl Hub {
         // Eager messages are injected whole (header + data).
         let eager_max = dev
             .eager_size
-            .min(dev.dev.inject_size.saturating_sub(EAGER_HEAD));
+            .min(dev.dev.inject_size.saturating_sub(CTRL_ID + EAGER_HEAD));
         let port = || -> Result<PortState> {
             let ep = Endpoint::open_sized(&dev.domain, CQ_SIZE)
                 .map_err(|e| Error::from(e).context("opening the device's shared endpoint"))?;
-            let size = CTRL_MAX.max(EAGER_HEAD + eager_max);
+            let size = CTRL_ID + CTRL_MAX.max(EAGER_HEAD + eager_max);
             let ctrl = CtrlBufs::new(dev, &ep, CTRL_POSTED, size)?;
             let name = ep.name()?;
             Ok(PortState {
@@ -278,15 +277,13 @@ fn on_done(
         deliver(imm >> 8, Ev::Landed(imm as u8, size));
         return Ok(());
     }
-    if c.flags & u64::from(fi::FI_RECV) != 0 && c.tag & CTRL_TAG != 0 {
-        let Some(i) = ctrl.find(c.op_context) else {
-            return Err(Error::system(
-                "hub: control message completed in an unknown buffer",
-            ));
-        };
-        let bytes = ctrl.bytes(i, c.len).to_vec();
+    if let Some(i) = ctrl.find(c.op_context) {
+        let framed = unframe(ctrl.bytes(i, c.len)).map(|(id, b)| (id, b.to_vec()));
         ctrl.repost(ep, i)?;
-        deliver((c.tag & CTRL_ID_MASK) as u32, Ev::Ctrl(bytes));
+        match framed {
+            Some((id, bytes)) => deliver(id, Ev::Ctrl(bytes)),
+            None => tracing::warn!("hub: dropped a control message of {} bytes", c.len),
+        }
         return Ok(());
     }
     // A comm's own operation (a send, a write, a tagged receive).

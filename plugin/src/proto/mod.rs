@@ -23,14 +23,14 @@ use crate::mr::MrCache;
 
 pub mod comms;
 pub(crate) mod cq;
-pub(crate) mod ctrl;
+pub mod ctrl;
 pub(crate) mod handshake;
 pub mod hub;
 pub mod pool;
 pub(crate) mod sync;
 pub mod wire;
 
-pub use ctrl::CTRL_TAG;
+pub use ctrl::{frame, unframe, CTRL_ID};
 pub use handshake::MAX_PENDING;
 use wire::ListenHandle;
 

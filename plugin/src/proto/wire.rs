@@ -410,10 +410,9 @@ impl Ctrl {
         }
     }
 
-    /// Encodes an [`Ctrl::Eager`] of `data` into `out` (any length; control
+    /// Appends an [`Ctrl::Eager`] of `data` to `out` (any length; control
     /// messages of fixed size use [`Ctrl::encode`]).
     pub fn encode_eager(tag: i32, idx: u32, data: &[u8], out: &mut Vec<u8>) {
-        out.clear();
         out.extend_from_slice(&CTRL_MAGIC.to_le_bytes());
         out.extend_from_slice(&HANDLE_VERSION.to_le_bytes());
         out.extend_from_slice(&[KIND_EAGER, 0]);

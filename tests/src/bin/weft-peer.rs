@@ -93,43 +93,42 @@ fn recv(comm: *mut c_void, count: u64, size: usize, tag: i32) -> Result<u64, Str
 fn half_connect(provider: &str, handle: &[u8; 128]) -> Result<Box<dyn std::any::Any>, String> {
     use weft::fabric::{Endpoint, Mr, ACCESS_ALL};
     use weft::proto::wire::{Ctrl, ListenHandle, CTRL_MAX};
-    use weft::proto::CTRL_TAG;
+    use weft::proto::{frame, unframe, CTRL_ID};
     let e = |e: weft::fabric::FiError| e.to_string();
     let domain = weft_tests::loopback_domain(provider)?;
     let ep = Endpoint::open_own(&domain).map_err(e)?;
     let h = ListenHandle::decode(handle).map_err(|e| e.to_string())?;
     let listener = ep.av().insert(&h.addr).map_err(e)?;
-    let buf = vec![0u8; CTRL_MAX];
+    let buf = vec![0u8; CTRL_ID + CTRL_MAX];
     // SAFETY: `buf` is live and unmoved for as long as the registration,
     // which is returned with it.
     let mr = unsafe { Mr::register(&domain, buf.as_ptr(), buf.len(), ACCESS_ALL) }.map_err(e)?;
     // SAFETY: the buffer and its registration are returned together with
     // the endpoint and outlive it (the process is killed with them open).
     unsafe {
-        ep.trecv(
+        ep.recv(
             buf.as_ptr().cast_mut(),
-            CTRL_MAX,
+            buf.len(),
             mr.desc(),
             libfabric_sys::FI_ADDR_UNSPEC,
-            CTRL_TAG,
-            0xFFFF_FFFF, // any comm id: the Ack names the id given below
             std::ptr::null_mut(),
         )
     }
     .map_err(e)?;
-    let mut msg = [0u8; CTRL_MAX];
-    let n = Ctrl::Conn {
-        listener: h.nonce,
-        conn: 42,
-        id: 1,
-        addr: ep.name().map_err(e)?,
-    }
-    .encode(&mut msg);
+    let msg = frame(
+        h.id,
+        &Ctrl::Conn {
+            listener: h.nonce,
+            conn: 42,
+            id: 1,
+            addr: ep.name().map_err(e)?,
+        },
+    );
     let mut c = [weft::fabric::Completion::default(); 4];
     let mut sent = false;
     weft_tests::poll_until("the listener's Ack", || {
         if !sent {
-            match ep.tinject(&msg[..n], listener, CTRL_TAG | u64::from(h.id)) {
+            match ep.inject(&msg, listener) {
                 Ok(()) => sent = true,
                 Err(err) if err.is_again() => {}
                 Err(err) => panic!("half-connect: {err}"),
@@ -137,8 +136,8 @@ fn half_connect(provider: &str, handle: &[u8; 128]) -> Result<Box<dyn std::any::
         }
         (ep.cq().read(&mut c).expect("half-connect cq") > 0).then_some(())
     });
-    match Ctrl::decode(&buf[..c[0].len]) {
-        Ok(Ctrl::Ack { conn: 42, .. }) => Ok(Box::new((ep, mr, buf, domain))),
+    match unframe(&buf[..c[0].len]).map(|(_, b)| Ctrl::decode(b)) {
+        Some(Ok(Ctrl::Ack { conn: 42, .. })) => Ok(Box::new((ep, mr, buf, domain))),
         other => Err(format!("half-connect: expected the Ack, got {other:?}")),
     }
 }

@@ -43,7 +43,8 @@
 //! *Tagged* (`WEFT_PROTOCOL=sendrecv`): NCCL messages as libfabric tagged
 //! messages. The tag is the receive comm's id (bits 32..56) and NCCL's tag
 //! (low 32 bits), so grouped receives match by tag and, per tag, in posting
-//! order (FIFO per comm); control tags set bit 63, which data tags never do.
+//! order (FIFO per comm); control messages are untagged, so they never sit
+//! in the tagged receive queue data messages are matched against.
 //! Receives are posted to the provider in NCCL's order (what the provider
 //! refuses for now waits, in order). A sender may have at most [`CREDITS`]
 //! messages the receiver has not matched; the receiver returns them in

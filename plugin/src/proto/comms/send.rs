@@ -9,7 +9,6 @@ use std::time::Instant;
 use libfabric_sys as fi;
 
 use super::super::ctrl::Peer;
-use super::super::ctrl::CTRL_TAG;
 use super::super::handshake::{self, nonce, Connecting, Phase};
 use super::super::hub::{context, data_tag, immediate, NO_SIZE};
 use super::super::pool::Pool;
@@ -309,13 +308,11 @@ impl SendComm {
             // against its registration by the caller); it is copied now.
             let bytes = unsafe { std::slice::from_raw_parts(data, size) };
             let SendState { scratch, peer, .. } = &mut *st;
+            scratch.clear();
+            scratch.extend_from_slice(&peer.id.to_le_bytes());
             Ctrl::encode_eager(tag, k, bytes, scratch);
             let ep = self.seat.ep();
-            let to = CTRL_TAG | u64::from(peer.id);
-            let sent = peer
-                .link
-                .peer
-                .send("fi_tinject", |a| ep.tinject(scratch, a, to));
+            let sent = peer.link.peer.send("fi_inject", |a| ep.inject(scratch, a));
             match sent {
                 Ok(()) => {}
                 Err(e) if e.is_again() => {
