@@ -134,6 +134,7 @@ pub struct ProviderReport {
 /// Tries the providers in configured order and reports on each; the
 /// devices are those of the first provider that has any (none is an error).
 pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), DiscoveryError> {
+    crate::fabric::provider_defaults();
     let mut reports = Vec::new();
     let mut chosen: Vec<Device> = Vec::new();
     for provider in &config.providers {

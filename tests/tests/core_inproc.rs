@@ -240,6 +240,32 @@ fn configuration_is_injectable_and_read_at_each_start() {
     core::finalize(ctx).unwrap();
 }
 
+/// rxm's receive queue is sized to what Weft posts (`PROVIDER_DEFAULTS`)
+/// before libfabric first reads it, unless the operator set it.
+#[test]
+fn rxm_queue_gets_weft_default() {
+    weft_tests::isolated!();
+    std::env::remove_var("FI_OFI_RXM_MSG_RX_SIZE");
+    let ctx = init("tcp");
+    assert_eq!(
+        std::env::var("FI_OFI_RXM_MSG_RX_SIZE").as_deref(),
+        Ok("256")
+    );
+    core::finalize(ctx).unwrap();
+}
+
+#[test]
+fn rxm_queue_setting_of_the_operator_wins() {
+    weft_tests::isolated!();
+    std::env::set_var("FI_OFI_RXM_MSG_RX_SIZE", "512");
+    let ctx = init("tcp");
+    assert_eq!(
+        std::env::var("FI_OFI_RXM_MSG_RX_SIZE").as_deref(),
+        Ok("512")
+    );
+    core::finalize(ctx).unwrap();
+}
+
 /// Garbage, truncated, corrupted and foreign handles: a clear error, no
 /// crash, no hang.
 #[test]

@@ -25,6 +25,31 @@ pub use error::{strerror, FiError};
 pub use info::{Hints, InfoList, InfoRef, OwnedInfo};
 pub use mr::{DomainRegistrar, Mr, ACCESS_ALL};
 
+/// Provider settings Weft chooses where the operator set none: (variable,
+/// value, why). libfabric reads them once per process, at its first
+/// `fi_getinfo`, so [`provider_defaults`] runs before Weft's first.
+pub const PROVIDER_DEFAULTS: &[(&str, &str, &str)] = &[(
+    "FI_OFI_RXM_MSG_RX_SIZE",
+    "256",
+    "rxm posts this many 16 KiB bounce buffers per endpoint (4096 by default on tcp: ~70 MB per endpoint); \
+     Weft keeps 256 control receives posted per endpoint and bounds what peers send ahead by credits",
+)];
+
+/// Sets each of [`PROVIDER_DEFAULTS`] the environment leaves unset (once
+/// per process; an INFO line names each). If libfabric was already
+/// initialised in this process by someone else, they have no effect.
+pub fn provider_defaults() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        for (var, value, why) in PROVIDER_DEFAULTS {
+            if std::env::var_os(var).is_none() {
+                std::env::set_var(var, value);
+                tracing::info!(target: "weft::init", "{var}={value} (Weft's default: {why}); set it to override");
+            }
+        }
+    });
+}
+
 /// Provider names as libfabric spells them.
 pub mod provider {
     /// TCP through the RxM utility provider (reliable datagrams over TCP).

@@ -185,7 +185,10 @@ impl Receiver for RecvComm {
             ));
         };
         let offered = match st.path {
-            Path::Rdma => st.offer(&self.seat, slot, bufs),
+            Path::Rdma => {
+                st.offer(slot, bufs);
+                Ok(())
+            }
             Path::Tagged => st.post_all(&self.seat, slot),
         };
         if let Err(e) = offered {
@@ -352,7 +355,7 @@ impl RecvState {
 
     /// RDMA: numbers the buffers per tag, fills them from eager messages
     /// that came first, and offers them to the sender.
-    fn offer(&mut self, seat: &Seat, slot: u32, bufs: &[RecvBuf]) -> Result<()> {
+    fn offer(&mut self, slot: u32, bufs: &[RecvBuf]) {
         let mut idxs = [0; MAX_RECVS];
         for (i, b) in bufs.iter().enumerate() {
             let next = self.next_idx.entry(b.tag).or_insert(0);
@@ -389,7 +392,10 @@ impl RecvState {
                 .collect(),
         };
         self.seq = self.seq.wrapping_add(1);
-        self.peer.send(seat.ep(), rtr)
+        // Sent at the next progress (NCCL tests the request next), so that
+        // what the caller does first, e.g. an eager send on another comm,
+        // is not behind it: on tcp each message is a system call.
+        self.peer.owed.push_back(rtr);
     }
 
     /// Tagged: posts the buffers of request `slot` unless earlier ones wait
