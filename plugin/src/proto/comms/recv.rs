@@ -185,10 +185,7 @@ impl Receiver for RecvComm {
             ));
         };
         let offered = match st.path {
-            Path::Rdma => {
-                st.offer(slot, bufs);
-                Ok(())
-            }
+            Path::Rdma => st.offer(&self.seat, slot, bufs),
             Path::Tagged => st.post_all(&self.seat, slot),
         };
         if let Err(e) = offered {
@@ -355,7 +352,7 @@ impl RecvState {
 
     /// RDMA: numbers the buffers per tag, fills them from eager messages
     /// that came first, and offers them to the sender.
-    fn offer(&mut self, slot: u32, bufs: &[RecvBuf]) {
+    fn offer(&mut self, seat: &Seat, slot: u32, bufs: &[RecvBuf]) -> Result<()> {
         let mut idxs = [0; MAX_RECVS];
         for (i, b) in bufs.iter().enumerate() {
             let next = self.next_idx.entry(b.tag).or_insert(0);
@@ -392,10 +389,7 @@ impl RecvState {
                 .collect(),
         };
         self.seq = self.seq.wrapping_add(1);
-        // Sent at the next progress (NCCL tests the request next), so that
-        // what the caller does first, e.g. an eager send on another comm,
-        // is not behind it: on tcp each message is a system call.
-        self.peer.owed.push_back(rtr);
+        self.peer.send(seat.ep(), rtr)
     }
 
     /// Tagged: posts the buffers of request `slot` unless earlier ones wait
