@@ -60,8 +60,8 @@ pub const TEST_PARAMS: &[Param] = &[
     Param {
         name: "WEFT_TEST_MR_MODE",
         default: "unset",
-        accepted: "comma-separated `local`, `prov_key`, `allocated`",
-        meaning: "the plugin honours and checks these MR modes as if the provider required them (neither here does): every posted buffer carries its descriptor, keys are arbitrary 64-bit values read back with `fi_mr_key`, unmapped memory is never registered; read by the plugin itself, set by the tests that cover those paths",
+        accepted: "comma-separated `local`, `prov_key`, `allocated`, `endpoint`",
+        meaning: "the plugin honours and checks these MR modes as if the provider required them (neither here does): every posted buffer carries its descriptor, keys are arbitrary 64-bit values read back with `fi_mr_key`, unmapped memory is never registered, registrations are bound to the device's passive endpoint and enabled before use; read by the plugin itself, set by the tests that cover those paths",
     },
 ];
 

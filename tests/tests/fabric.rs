@@ -214,7 +214,8 @@ fn strict_mr_modes_refuse_what_such_a_provider_would() {
     // SAFETY: refused before libfabric sees the range.
     let e = unsafe { Mr::register(&domain, gone, 8192, ACCESS_ALL) }.expect_err("unmapped memory");
     assert!(e.to_string().contains("FI_MR_ALLOCATED"), "{e}");
-    // With its descriptor the same buffer posts.
+    // With its descriptor the same buffer posts (FI_MR_ENDPOINT is not
+    // emulated here: the next test covers it).
     // SAFETY: `buf` and its registration outlive the endpoint's use of it.
     unsafe {
         a.ep.trecv(
@@ -228,5 +229,58 @@ fn strict_mr_modes_refuse_what_such_a_provider_would() {
         )
     }
     .expect("a registered buffer with its descriptor posts");
+    drop((a, _b));
+}
+
+/// `WEFT_TEST_MR_MODE=endpoint`: registrations are bound to the domain's
+/// endpoint for them and enabled; none can be made before that endpoint
+/// exists, and a buffer whose registration is not enabled is refused.
+#[test]
+fn strict_mr_endpoint_binds_before_use() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_TEST_MR_MODE", "local,endpoint");
+    let (domain, a, _b) = open_pair("shm");
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: refused before libfabric sees it.
+    let e = unsafe { Mr::register(&domain, buf.as_ptr(), 4096, ACCESS_ALL) }
+        .expect_err("no endpoint to bind to yet");
+    assert!(e.to_string().contains("FI_MR_ENDPOINT"), "{e}");
+    weft::fabric::bind_registrations_to(&domain, &a.ep);
+    // SAFETY: `buf` outlives the registration and the posted receive.
+    let mr = unsafe { Mr::register(&domain, buf.as_ptr(), 4096, ACCESS_ALL) }
+        .expect("bound and enabled");
+    // A descriptor that names no enabled registration (here: another
+    // domain's) is refused.
+    std::env::remove_var("WEFT_TEST_MR_MODE");
+    let other = weft_tests::loopback_domain("shm").unwrap();
+    // SAFETY: `buf` outlives the registration.
+    let foreign = unsafe { Mr::register(&other, buf.as_ptr(), 4096, ACCESS_ALL) }.unwrap();
+    // SAFETY: refused before libfabric sees it.
+    let e = unsafe {
+        a.ep.trecv(
+            buf.as_mut_ptr(),
+            64,
+            foreign.desc(),
+            a.peer,
+            1,
+            0,
+            std::ptr::null_mut(),
+        )
+    }
+    .expect_err("a registration that is not enabled");
+    assert!(e.to_string().contains("FI_MR_ENDPOINT"), "{e}");
+    // SAFETY: `buf` and `mr` outlive the endpoint's use of them.
+    unsafe {
+        a.ep.trecv(
+            buf.as_mut_ptr(),
+            64,
+            mr.desc(),
+            a.peer,
+            1,
+            0,
+            std::ptr::null_mut(),
+        )
+    }
+    .expect("an enabled registration posts");
     drop((a, _b));
 }

@@ -122,12 +122,13 @@ fn shm_two_processes_offset_addressing() {
 }
 
 /// Both protocols as on a provider that requires `FI_MR_LOCAL`,
-/// `FI_MR_PROV_KEY` and `FI_MR_ALLOCATED` (neither here does): Weft checks
-/// its own obligations, so a buffer posted without its descriptor, a key
+/// `FI_MR_PROV_KEY`, `FI_MR_ALLOCATED` and `FI_MR_ENDPOINT` (neither here
+/// does): Weft checks its own obligations, so a buffer posted without its
+/// descriptor or with one of a registration not bound and enabled, a key
 /// assumed rather than read back, or a registration of unmapped memory
 /// fails the exchange (`fabric.rs` shows each check failing).
 fn strict_mr_modes(protocol: &str, provider: &str) {
-    std::env::set_var("WEFT_TEST_MR_MODE", "local,prov_key,allocated");
+    std::env::set_var("WEFT_TEST_MR_MODE", "local,prov_key,allocated,endpoint");
     with_protocol(protocol, provider);
 }
 

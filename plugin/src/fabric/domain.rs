@@ -1,13 +1,18 @@
 //! Fabric and domain: the roots every other libfabric object hangs from.
 
+use std::collections::HashSet;
 use std::ptr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use libfabric_sys as fi;
 
 use super::error::{check, FiError};
 use super::info::{InfoRef, OwnedInfo};
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// Closes a libfabric object, logging (never panicking on) a failure: this runs in `Drop`.
 pub(crate) fn close_fid(fid: *mut fi::fid, what: &'static str) {
@@ -61,6 +66,12 @@ pub struct Domain {
     /// MR modes honoured as if the provider required them
     /// (`WEFT_TEST_MR_MODE`; see [`strict_modes`]).
     strict: u32,
+    /// `FI_MR_ENDPOINT`: the endpoint every registration is bound to (the
+    /// one peers reach this domain's memory through), once it is open.
+    mr_endpoint: Mutex<Option<usize>>,
+    /// With `FI_MR_ENDPOINT` emulated: the descriptors of registrations
+    /// bound and enabled (what such a provider would accept).
+    enabled: Mutex<HashSet<usize>>,
     /// The length of this domain's endpoint names (learned from the first
     /// endpoint; 0 until then).
     name_len: AtomicUsize,
@@ -87,6 +98,8 @@ impl Domain {
             info,
             next_key: AtomicU64::new(1),
             strict: strict_modes(),
+            mr_endpoint: Mutex::new(None),
+            enabled: Mutex::new(HashSet::new()),
             name_len: AtomicUsize::new(0),
             _fabric: fabric,
         }))
@@ -101,6 +114,44 @@ impl Domain {
     /// a test switch adds.
     pub fn mr_mode(&self) -> u32 {
         self.info().mr_mode() | self.strict
+    }
+
+    /// `FI_MR_ENDPOINT`: from now on, registrations are bound to the
+    /// endpoint `ep` (a raw `fid_ep` that outlives them: the device's
+    /// passive hub endpoint).
+    pub(crate) fn set_mr_endpoint(&self, ep: *mut fi::fid_ep) {
+        *lock(&self.mr_endpoint) = Some(ep as usize);
+    }
+
+    /// The endpoint for registrations is closing: registrations fail again
+    /// until another is set.
+    pub(crate) fn clear_mr_endpoint(&self, ep: *mut fi::fid_ep) {
+        let mut e = lock(&self.mr_endpoint);
+        if *e == Some(ep as usize) {
+            *e = None;
+        }
+    }
+
+    /// The endpoint registrations are bound to, if set.
+    pub(crate) fn mr_endpoint(&self) -> Option<*mut fi::fid_ep> {
+        lock(&self.mr_endpoint).map(|p| p as *mut fi::fid_ep)
+    }
+
+    /// Emulated `FI_MR_ENDPOINT`: records (or forgets) an enabled
+    /// registration's descriptor.
+    pub(crate) fn note_enabled(&self, desc: usize, on: bool) {
+        let mut e = lock(&self.enabled);
+        if on {
+            e.insert(desc);
+        } else {
+            e.remove(&desc);
+        }
+    }
+
+    /// Emulated `FI_MR_ENDPOINT`: whether `desc` names an enabled
+    /// registration.
+    pub(crate) fn is_enabled(&self, desc: usize) -> bool {
+        lock(&self.enabled).contains(&desc)
     }
 
     /// Whether Weft behaves as if the provider required MR mode `bit`
@@ -178,17 +229,19 @@ impl Drop for Domain {
 }
 
 /// Test switch `WEFT_TEST_MR_MODE`: a comma-separated list of `local`,
-/// `prov_key` and `allocated`, MR modes neither provider here requires,
-/// which Weft then honours and checks as if it did:
+/// `prov_key`, `allocated` and `endpoint`, MR modes neither provider here
+/// requires, which Weft then honours and checks as if it did:
 /// - `local` (`FI_MR_LOCAL`): every buffer posted to an endpoint carries its
 ///   registration's descriptor, else the post fails;
 /// - `prov_key` (`FI_MR_PROV_KEY`): keys are arbitrary 64-bit values, and
 ///   peers get only what `fi_mr_key` reports;
 /// - `allocated` (`FI_MR_ALLOCATED`): a registration of memory that is not
-///   mapped fails before the provider sees it.
-///
-/// `FI_MR_ENDPOINT` is not among them: Weft does not ask for it (see the
-/// README's "Memory registration").
+///   mapped fails before the provider sees it;
+/// - `endpoint` (`FI_MR_ENDPOINT`): every registration is bound to the
+///   device's passive endpoint and enabled before use (`fi_mr_bind`, which
+///   the providers here answer `-FI_ENOSYS`, is called and that answer
+///   taken as success), and a buffer posted with the descriptor of a
+///   registration not enabled is refused.
 pub fn strict_modes() -> u32 {
     let Ok(v) = std::env::var("WEFT_TEST_MR_MODE") else {
         return 0;
@@ -198,6 +251,7 @@ pub fn strict_modes() -> u32 {
             "local" => fi::FI_MR_LOCAL,
             "prov_key" => fi::FI_MR_PROV_KEY,
             "allocated" => fi::FI_MR_ALLOCATED,
+            "endpoint" => fi::FI_MR_ENDPOINT,
             other => {
                 tracing::warn!("WEFT_TEST_MR_MODE: ignored unknown mode {other:?}");
                 0

@@ -87,6 +87,16 @@ impl Endpoint {
         }
     }
 
+    /// The domain it was opened on.
+    pub(crate) fn domain(&self) -> &Arc<Domain> {
+        &self._domain
+    }
+
+    /// The raw endpoint, for binding registrations to it.
+    pub(crate) fn raw(&self) -> *mut fi::fid_ep {
+        self.ptr
+    }
+
     fn live(&self, call: &'static str) -> Result<*mut fi::fid_ep, FiError> {
         if self.ptr.is_null() {
             Err(FiError::new(call, i64::from(fi::FI_ESHUTDOWN)))
@@ -252,6 +262,17 @@ impl Endpoint {
                 call,
                 code: fi::FI_EINVAL,
                 text: "FI_MR_LOCAL: a local buffer posted without its registration's descriptor"
+                    .to_owned(),
+            });
+        }
+        if !desc.is_null()
+            && self._domain.strict(fi::FI_MR_ENDPOINT)
+            && !self._domain.is_enabled(desc as usize)
+        {
+            return Err(FiError {
+                call,
+                code: fi::FI_EINVAL,
+                text: "FI_MR_ENDPOINT: a buffer posted with the descriptor of a registration that is not bound and enabled"
                     .to_owned(),
             });
         }

@@ -30,11 +30,13 @@ impl Hints {
             caps: u64::from(fi::FI_TAGGED) | u64::from(fi::FI_MSG),
             ep_type: fi::fi_ep_type_FI_EP_RDM,
             // Modes the fabric layer honours: it registers what it sends (LOCAL),
-            // addresses are virtual, buffers are allocated, keys come from the provider.
+            // addresses are virtual, buffers are allocated, keys come from the
+            // provider, registrations are bound to the device's passive endpoint.
             mr_mode: fi::FI_MR_LOCAL
                 | fi::FI_MR_VIRT_ADDR
                 | fi::FI_MR_ALLOCATED
-                | fi::FI_MR_PROV_KEY,
+                | fi::FI_MR_PROV_KEY
+                | fi::FI_MR_ENDPOINT,
             provider: provider.map(str::to_owned),
         }
     }

@@ -50,6 +50,13 @@ pub fn provider_defaults() {
     });
 }
 
+/// `FI_MR_ENDPOINT`: binds `domain`'s registrations to `ep` from now on
+/// (Weft binds them to each device's passive hub endpoint; exported for
+/// tests of the fabric layer). `ep` must outlive them.
+pub fn bind_registrations_to(domain: &Domain, ep: &Endpoint) {
+    domain.set_mr_endpoint(ep.raw());
+}
+
 /// Provider names as libfabric spells them.
 pub mod provider {
     /// TCP through the RxM utility provider (reliable datagrams over TCP).

@@ -55,10 +55,48 @@ impl Mr {
                 ptr::null_mut(),
             )
         })?;
-        Ok(Self {
+        let mr = Self {
             ptr,
             _domain: Arc::clone(domain),
-        })
+        };
+        if domain.mr_mode() & fi::FI_MR_ENDPOINT != 0 {
+            mr.bind_and_enable(domain)?;
+        }
+        Ok(mr)
+    }
+
+    /// `FI_MR_ENDPOINT`: binds the registration to the domain's endpoint for
+    /// registrations and enables it. Where the mode is only emulated, the
+    /// provider's `-FI_ENOSYS` (it associates registrations with domains)
+    /// counts as done.
+    fn bind_and_enable(&self, domain: &Domain) -> Result<(), FiError> {
+        let ep = domain.mr_endpoint().ok_or_else(|| FiError {
+            call: "fi_mr_bind",
+            code: fi::FI_EINVAL,
+            text: "FI_MR_ENDPOINT: no endpoint to bind the registration to yet (the device's endpoints open with its first comm)".to_owned(),
+        })?;
+        let emulated = domain.strict(fi::FI_MR_ENDPOINT);
+        let tolerate = |r: i32| {
+            if emulated && r == -(fi::FI_ENOSYS as i32) {
+                0
+            } else {
+                r
+            }
+        };
+        // SAFETY: `ptr` is a live MR; `ep` is the domain's live endpoint for
+        // registrations (it is closed only after every comm and
+        // registration of the device).
+        unsafe {
+            check(
+                "fi_mr_bind",
+                tolerate(fi::fi_mr_bind(self.ptr, &raw mut (*ep).fid, 0)),
+            )?;
+            check("fi_mr_enable", tolerate(fi::fi_mr_enable(self.ptr)))?;
+        }
+        if emulated {
+            domain.note_enabled(self.desc() as usize, true);
+        }
+        Ok(())
     }
 
     /// The local descriptor passed with data-transfer calls (may be NULL).
@@ -100,6 +138,9 @@ fn check_mapped(addr: *const u8, len: usize) -> Result<(), FiError> {
 
 impl Drop for Mr {
     fn drop(&mut self) {
+        if self._domain.strict(fi::FI_MR_ENDPOINT) {
+            self._domain.note_enabled(self.desc() as usize, false);
+        }
         // SAFETY: `ptr` is live and closed once.
         close_fid(unsafe { &raw mut (*self.ptr).fid }, "mr");
     }

@@ -146,9 +146,15 @@ impl Hub {
         let eager_max = dev
             .eager_size
             .min(dev.dev.inject_size.saturating_sub(CTRL_ID + EAGER_HEAD));
-        let port = || -> Result<PortState> {
+        let port = |passive: bool| -> Result<PortState> {
             let ep = Endpoint::open_sized(&dev.domain, CQ_SIZE)
                 .map_err(|e| Error::from(e).context("opening the device's shared endpoint"))?;
+            if passive && dev.domain.mr_mode() & fi::FI_MR_ENDPOINT != 0 {
+                // Peers reach this device's memory through the passive
+                // endpoint: every registration is bound to it (from its own
+                // control buffers on).
+                dev.domain.set_mr_endpoint(ep.raw());
+            }
             let size = CTRL_ID + CTRL_MAX.max(EAGER_HEAD + eager_max);
             let ctrl = CtrlBufs::new(dev, &ep, CTRL_POSTED, size)?;
             let name = ep.name()?;
@@ -160,7 +166,7 @@ impl Hub {
             })
         };
         Ok(Self {
-            ports: [port()?, port()?],
+            ports: [port(true)?, port(false)?],
             boxes: RwLock::new(HashMap::new()),
             next_id: Mutex::new(1),
             wide: dev.dev.rma.cq_data_size >= 8 && !narrow_for_test(),
@@ -258,6 +264,13 @@ impl Hub {
                 }
             }
         })
+    }
+}
+
+impl Drop for Hub {
+    fn drop(&mut self) {
+        let ep = &self.ports[Port::Passive as usize].ep;
+        ep.domain().clear_mr_endpoint(ep.raw());
     }
 }
 
