@@ -22,6 +22,20 @@ fn rss(peer: &mut Peer) -> u64 {
 #[test]
 fn tcp_receiver_memory_is_bounded_by_credits() {
     weft_tests::isolated!();
+    std::env::set_var("WEFT_PROTOCOL", "rdma");
+    flood();
+}
+
+#[test]
+fn tcp_receiver_memory_is_bounded_by_credits_sendrecv() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_PROTOCOL", "sendrecv");
+    flood();
+}
+
+/// A sender floods a receiver that posts nothing (the peer inherits the
+/// protocol through the environment).
+fn flood() {
     let mut peer = Peer::spawn(PEER);
     peer.cmd("init tcp");
     let ctx = host::init("tcp");
