@@ -511,12 +511,11 @@ pub mod net {
     }
 }
 
-/// The `ncclCollNet` members. This build has no CollNet core: `devices()`
-/// reports 0, NCCL's way of saying "no CollNet here", and `init` allocates
-/// nothing (NCCL never finalizes a CollNet it does not use).
+/// The `ncclCollNet` members: conversions to and from [`crate::collnet`].
 #[allow(non_snake_case)]
 pub mod collnet {
     use super::*;
+    use crate::collnet as cn;
 
     /// Argument structs, one per member.
     #[allow(non_snake_case)]
@@ -544,91 +543,156 @@ pub mod collnet {
         }
     }
 
-    /// The context handed out by v11+ `init`: a static token, nothing allocated.
-    static CTX: u8 = 0;
-
-    fn none(what: &str) -> Error {
-        Error::internal(format!(
-            "CollNet {what}: this build has no CollNet devices (devices() = 0)"
-        ))
-    }
-
-    /// `init`: succeeds, allocating nothing.
+    /// `init`: as the net's (CollNet shares its devices and contexts).
     ///
     /// # Safety
     /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
     pub unsafe fn init(a: args::init) -> Result<()> {
-        crate::log::set_logger(a.logFunction);
-        if !a.ctx.is_null() {
-            // SAFETY: NCCL's output slot (non-NULL).
-            unsafe { write(a.ctx, (&raw const CTX).cast_mut().cast(), "ctx")? };
+        if a.ctx.is_null() {
+            return core::init_process(a.logFunction, None);
         }
-        Ok(())
+        let ctx = core::init(core::InitArgs {
+            logger: a.logFunction,
+            profiler: None,
+            comm_id: a.commId,
+            traffic_class: -1,
+        })?;
+        // SAFETY: `ctx` is non-NULL (checked above) and NCCL's output slot.
+        unsafe { write(a.ctx, ctx, "ctx") }
     }
-    /// `devices`: 0.
+    /// `devices`: the net devices (NCCL matches CollNet devices to them by name).
     ///
     /// # Safety
     /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
     pub unsafe fn devices(a: args::devices) -> Result<()> {
+        let n = core::devices()?;
         // SAFETY: NCCL's output slot (NULL is refused).
-        unsafe { write(a.ndev, 0, "ndev") }
+        unsafe { write(a.ndev, c_int::try_from(n).unwrap_or(c_int::MAX), "ndev") }
     }
-    /// `getProperties`: no device exists.
-    pub fn get_properties(dev: c_int, _fill: impl FnOnce(&Properties) -> Result<()>) -> Result<()> {
-        Err(none(&format!("getProperties({dev})")))
+    /// `getProperties`: the net device's.
+    pub fn get_properties(dev: c_int, fill: impl FnOnce(&Properties) -> Result<()>) -> Result<()> {
+        core::with_properties(dev, fill)
     }
     /// `listen`.
-    pub fn listen(_: args::listen) -> Result<()> {
-        Err(none("listen"))
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn listen(a: args::listen) -> Result<()> {
+        // SAFETY: NCCL's output slot and handle buffer (NULL is refused).
+        let (out, h) = unsafe { (out_ref(a.listenComm, "listenComm")?, handle(a.handle)?) };
+        *out = cn::listen(ctx_or_process(a.ctx)?, a.dev, h)?;
+        Ok(())
     }
-    /// `connect`.
-    pub fn connect(_: args::connect) -> Result<()> {
-        Err(none("connect"))
+    /// `connect`: returns with the group ready.
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn connect(a: args::connect) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let out = unsafe { out_ref(a.collComm, "collComm")? };
+        *out = std::ptr::null_mut();
+        let n = usize::try_from(a.nranks)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| Error::internal(format!("CollNet connect: nranks = {}", a.nranks)))?;
+        let rank = usize::try_from(a.rank)
+            .map_err(|_| Error::internal(format!("CollNet connect: rank = {}", a.rank)))?;
+        if a.handles.is_null() {
+            return Err(Error::internal("CollNet connect: NULL handles"));
+        }
+        let mut hs = Vec::with_capacity(n);
+        for i in 0..n {
+            // SAFETY: NCCL passes `nranks` handle pointers.
+            let h = unsafe { *a.handles.add(i) };
+            // SAFETY: each is a 128-byte handle buffer (NULL is refused).
+            hs.push(*unsafe { handle(h)? });
+        }
+        *out = cn::connect(&hs, rank, a.listenComm)?;
+        Ok(())
     }
-    /// `reduceSupport`: nothing is supported.
+    /// `reduceSupport`: every type and op this build reduces.
     ///
     /// # Safety
     /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
     pub unsafe fn reduceSupport(a: args::reduceSupport) -> Result<()> {
+        let yes = cn::reduce_support(a.dataType, a.redOp);
         // SAFETY: NCCL's output slot (NULL is refused).
-        unsafe { write(a.supported, 0, "supported") }
+        unsafe { write(a.supported, c_int::from(yes), "supported") }
     }
     /// `regMr`.
-    pub fn regMr(_: args::regMr) -> Result<()> {
-        Err(none("regMr"))
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn regMr(a: args::regMr) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let out = unsafe { out_ref(a.mhandle, "mhandle")? };
+        *out = cn::reg_mr(a.collComm, a.data, a.size.get("size")?, a.type_)?;
+        Ok(())
     }
     /// `deregMr`.
-    pub fn deregMr(_: args::deregMr) -> Result<()> {
-        Err(none("deregMr"))
+    pub fn deregMr(a: args::deregMr) -> Result<()> {
+        cn::dereg_mr(a.mhandle)
     }
-    /// `iallreduce`.
-    pub fn iallreduce(_: args::iallreduce) -> Result<()> {
-        Err(none("iallreduce"))
+    /// `iallreduce`: `count` in elements.
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn iallreduce(a: args::iallreduce) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let out = unsafe { out_ref(a.request, "request")? };
+        *out = std::ptr::null_mut();
+        // SAFETY: NCCL's registered buffers of `count` elements, kept until
+        // the request is done.
+        *out = unsafe {
+            cn::iallreduce(
+                a.collComm,
+                a.sendData,
+                a.recvData,
+                a.count.get("count")?,
+                a.dataType,
+                a.redOp,
+                a.sendMhandle,
+                a.recvMhandle,
+            )?
+        };
+        Ok(())
     }
-    /// `iflush`.
-    pub fn iflush(_: args::iflush) -> Result<()> {
-        Err(none("iflush"))
+    /// `iflush`: host memory needs none (a NULL request is done).
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn iflush(a: args::iflush) -> Result<()> {
+        cn::device_of(a.collComm)?;
+        // SAFETY: NCCL's output slot (NULL is refused).
+        unsafe { write(a.request, std::ptr::null_mut(), "request") }
     }
-    /// `test`.
-    pub fn test(_: args::test) -> Result<()> {
-        Err(none("test"))
-    }
-    /// `closeColl`.
-    pub fn closeColl(_: args::closeColl) -> Result<()> {
-        Err(none("closeColl"))
-    }
-    /// `closeListen`.
-    pub fn closeListen(_: args::closeListen) -> Result<()> {
-        Err(none("closeListen"))
-    }
-    /// `finalize`: the static context needs nothing.
-    pub fn finalize(a: args::finalize) -> Result<()> {
-        if a.ctx != (&raw const CTX).cast_mut().cast() {
-            return Err(Error::internal(format!(
-                "CollNet finalize: {:p} is not a Weft CollNet context",
-                a.ctx
-            )));
+    /// `test`: `size` (NULL for a flush) gets the bytes reduced.
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn test(a: args::test) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let done = unsafe { out_ref(a.done, "done")? };
+        *done = 0;
+        if let Some(bytes) = cn::test(a.request)? {
+            // SAFETY: NULL or NCCL's int.
+            if let Some(sz) = unsafe { a.size.as_mut() } {
+                *sz = c_int::try_from(bytes).unwrap_or(c_int::MAX);
+            }
+            *done = 1;
         }
         Ok(())
+    }
+    /// `closeColl`.
+    pub fn closeColl(a: args::closeColl) -> Result<()> {
+        cn::close_coll(a.collComm)
+    }
+    /// `closeListen`.
+    pub fn closeListen(a: args::closeListen) -> Result<()> {
+        cn::close_listen(a.listenComm)
+    }
+    /// `finalize`.
+    pub fn finalize(a: args::finalize) -> Result<()> {
+        core::finalize(a.ctx)
     }
 }

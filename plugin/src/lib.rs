@@ -25,6 +25,7 @@ pub const NCCL_RELEASES: &[(u32, &str)] = &[
     (11, "2.28-2.29"),
     (12, "2.30-"),
 ];
+pub mod collnet;
 pub mod config;
 pub mod core;
 pub mod device;

@@ -1,19 +1,26 @@
-//! The CollNet tables, loaded with dlopen. (The net tables are driven by the
-//! version matrix, tests/tests/matrix.rs.)
+//! The CollNet tables, loaded with dlopen and driven as NCCL drives them.
+//! (The net tables are driven by the version matrix, tests/tests/matrix.rs.)
 
 use std::ffi::c_void;
+use std::sync::{Barrier, Mutex};
 
 use weft_tests::emu;
 
-/// Every CollNet table: exported, `name` readable before init, `init`
-/// succeeds in its version's shape, and `devices()` = 0 (no CollNet here).
+/// Every CollNet table: exported, `name` readable before init, `init` in
+/// its version's shape, `devices()` = the net devices, `reduceSupport` for
+/// every (type, op) NCCL asks; then a group of two ranks (threads) built
+/// with `listen` and one `connect` each, an in-place fp32 sum all-reduce
+/// through `regMr`/`iallreduce`/`test`, and `deregMr`, `closeColl`,
+/// `closeListen` (and `finalize` on v11+).
 #[test]
-fn collnet_tables_report_no_devices() {
+fn collnet_tables_drive_a_group_of_two() {
     weft_tests::isolated!();
     use weft as g;
+    weft_tests::host::configure("shm");
     let lib = emu::open();
+    let null = std::ptr::null_mut::<c_void>;
     macro_rules! collnet {
-        ($m:ident, $t:ident, $v:literal, $($init:tt)*) => {{
+        ($m:ident, $t:ident, $v:literal, $init:ident, $listen:ident, $size:ty, $count:ty) => {{
             let name = concat!("ncclCollNetPlugin_v", $v);
             // SAFETY: the symbol is a static table of this type (ABI guard).
             let t: &g::$m::$t = unsafe {
@@ -22,21 +29,73 @@ fn collnet_tables_report_no_devices() {
             };
             // SAFETY: `name` is a static C string.
             assert_eq!(unsafe { std::ffi::CStr::from_ptr(t.name) }.to_str().unwrap(), "Weft", "{name}");
-            #[allow(unused_mut)]
-            let mut ctx: *mut c_void = std::ptr::null_mut();
-            let mut n = -1;
-            // SAFETY: NCCL's calling convention for this version.
-            unsafe {
-                let init = t.init.unwrap();
-                let r = collnet!(@init init, ctx, $($init)*);
-                assert_eq!(r, 0, "{name} init");
-                assert_eq!((t.devices.unwrap())(&mut n), 0, "{name} devices");
-                assert_eq!(n, 0, "{name}: devices() must be 0");
-                let mut supported = -1;
-                assert_eq!((t.reduceSupport.unwrap())(0, 0, &mut supported), 0);
-                assert_eq!(supported, 0, "{name}: nothing is supported");
-                collnet!(@fin t, ctx, $($init)*);
-            }
+            let handles = Mutex::new(vec![[0u8; 128]; 2]);
+            let barrier = Barrier::new(2);
+            let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+                let rank = |rank: usize| {
+                    let (handles, barrier) = (&handles, &barrier);
+                    move || {
+                        #[allow(unused_mut, unused_assignments)]
+                        let mut ctx = null();
+                        // SAFETY: NCCL's calling convention for this version throughout.
+                        unsafe {
+                            let init = t.init.unwrap();
+                            assert_eq!(collnet!(@init init, ctx, $init), 0, "{name} init");
+                            let mut n = -1;
+                            assert_eq!((t.devices.unwrap())(&mut n), 0, "{name} devices");
+                            assert!(n >= 1, "{name}: devices() = {n}");
+                            for ty in 0..12 {
+                                for op in 0..4 {
+                                    let mut yes = -1;
+                                    assert_eq!((t.reduceSupport.unwrap())(ty, op, &mut yes), 0);
+                                    assert_eq!(yes, 1, "{name}: type {ty} op {op}");
+                                }
+                            }
+                            let mut h = [0u8; 128];
+                            let mut l = null();
+                            let listen = t.listen.unwrap();
+                            assert_eq!(collnet!(@listen listen, ctx, h, l, $listen), 0, "{name} listen");
+                            handles.lock().unwrap()[rank] = h;
+                            barrier.wait();
+                            let mut hs = handles.lock().unwrap().clone();
+                            let mut ptrs: Vec<*mut c_void> = hs.iter_mut().map(|h| h.as_mut_ptr().cast()).collect();
+                            let mut coll = null();
+                            let r = (t.connect.unwrap())(ptrs.as_mut_ptr(), 2, rank as i32, l, &mut coll);
+                            assert_eq!(r, 0, "{name} connect");
+                            assert!(!coll.is_null());
+                            assert_eq!((t.closeListen.unwrap())(l), 0);
+                            let mut buf: Vec<f32> = (0..1000).map(|i| (i * (rank + 1)) as f32).collect();
+                            let bytes = (buf.len() * 4) as $size;
+                            let mut mh = null();
+                            assert_eq!((t.regMr.unwrap())(coll, buf.as_mut_ptr().cast(), bytes, 1, &mut mh), 0);
+                            let p: *mut c_void = buf.as_mut_ptr().cast();
+                            let mut req = null();
+                            let r = (t.iallreduce.unwrap())(coll, p, p, buf.len() as $count, 7, 0, mh, mh, &mut req);
+                            assert_eq!(r, 0, "{name} iallreduce");
+                            let (mut done, mut size) = (0, 0);
+                            weft_tests::poll_until("the all-reduce", || {
+                                assert_eq!((t.test.unwrap())(req, &mut done, &mut size), 0);
+                                (done == 1).then_some(())
+                            });
+                            assert_eq!(size, 4000);
+                            let mut freq = null();
+                            assert_eq!((t.iflush.unwrap())(coll, p, 4000, mh, &mut freq), 0);
+                            assert!(freq.is_null(), "host memory needs no flush");
+                            assert_eq!((t.deregMr.unwrap())(coll, mh), 0);
+                            barrier.wait();
+                            assert_eq!((t.closeColl.unwrap())(coll), 0);
+                            collnet!(@fin t, ctx, $init);
+                            buf
+                        }
+                    }
+                };
+                let a = s.spawn(rank(0));
+                let b = s.spawn(rank(1));
+                vec![a.join().unwrap(), b.join().unwrap()]
+            });
+            let want: Vec<f32> = (0..1000).map(|i| (i * 3) as f32).collect();
+            assert_eq!(sums[0], want, "{name}: rank 0");
+            assert_eq!(sums[1], want, "{name}: rank 1");
         }};
         (@init $f:ident, $ctx:ident, log) => { $f(emu::logger()) };
         (@init $f:ident, $ctx:ident, ctx) => {{
@@ -44,15 +103,17 @@ fn collnet_tables_report_no_devices() {
             assert!(!$ctx.is_null(), "CollNet v11+ init must return a context");
             r
         }};
+        (@listen $f:ident, $ctx:ident, $h:ident, $l:ident, dev) => { $f(0, $h.as_mut_ptr().cast(), &mut $l) };
+        (@listen $f:ident, $ctx:ident, $h:ident, $l:ident, ctx) => { $f($ctx, 0, $h.as_mut_ptr().cast(), &mut $l) };
         (@fin $t:ident, $ctx:ident, log) => { let _ = $ctx; };
         (@fin $t:ident, $ctx:ident, ctx) => { assert_eq!(($t.finalize.unwrap())($ctx), 0) };
     }
-    collnet!(collnet_v5, ncclCollNet_v5_t, 5, log);
-    collnet!(collnet_v6, ncclCollNet_v6_t, 6, log);
-    collnet!(collnet_v7, ncclCollNet_v7_t, 7, log);
-    collnet!(collnet_v8, ncclCollNet_v8_t, 8, log);
-    collnet!(collnet_v9, ncclCollNet_v9_t, 9, log);
-    collnet!(collnet_v10, ncclCollNet_v10_t, 10, log);
-    collnet!(collnet_v11, ncclCollNet_v11_t, 11, ctx);
-    collnet!(collnet_v12, ncclCollNet_v12_t, 12, ctx);
+    collnet!(collnet_v5, ncclCollNet_v5_t, 5, log, dev, i32, i32);
+    collnet!(collnet_v6, ncclCollNet_v6_t, 6, log, dev, i32, i32);
+    collnet!(collnet_v7, ncclCollNet_v7_t, 7, log, dev, i32, i32);
+    collnet!(collnet_v8, ncclCollNet_v8_t, 8, log, dev, usize, i32);
+    collnet!(collnet_v9, ncclCollNet_v9_t, 9, log, dev, usize, usize);
+    collnet!(collnet_v10, ncclCollNet_v10_t, 10, log, dev, usize, usize);
+    collnet!(collnet_v11, ncclCollNet_v11_t, 11, ctx, ctx, usize, usize);
+    collnet!(collnet_v12, ncclCollNet_v12_t, 12, ctx, ctx, usize, usize);
 }

@@ -318,6 +318,11 @@ fn device(plugin: &Plugin, dev: i32) -> Result<Arc<DeviceState>> {
         })
 }
 
+/// `WEFT_PEER_TIMEOUT` of the running plugin.
+pub fn peer_timeout() -> Result<std::time::Duration> {
+    Ok(plugin()?.config.peer_timeout)
+}
+
 /// `getProperties(dev)`.
 pub fn properties(dev: i32) -> Result<Properties> {
     with_properties(dev, |p| Ok(p.clone()))

@@ -1,0 +1,968 @@
+//! CollNet in software: NCCL's `ncclCollNet` over the core's point-to-point
+//! comms, on any provider.
+//!
+//! **Group.** NCCL calls `listen` on every head rank, then `connect` once
+//! with every rank's handle; the group must be ready when `connect`
+//! returns. Each rank connects a send comm to every other rank's listener
+//! and accepts a receive comm from each (a full mesh, `n - 1` of each), then
+//! says its rank on each send comm so that the receiver knows whose receive
+//! comm is whose. `connect` gives up when no comm makes progress for
+//! `WEFT_PEER_TIMEOUT`, naming the ranks missing.
+//!
+//! **All-reduce** (`iallreduce`, direct algorithm). The elements are cut
+//! into `n` shards, shard `j` owned by rank `j`. Phase 1: each rank sends
+//! shard `j` of its input to rank `j` and receives the other ranks' copies
+//! of its own shard. The owner reduces them **in rank order** (0, 1, …,
+//! n-1), so every element is reduced exactly once, by one rank, always in
+//! the same order: results are bit-identical on every rank and from run to
+//! run. Phase 2: the owner sends its reduced shard to every rank. Each rank
+//! sends and receives `(n-1)/n` of the buffer per phase, as a ring does.
+//! Shards travel in chunks of [`CHUNK`] bytes and are pipelined: a chunk is
+//! reduced as soon as its contributions are in and sent on at once; a
+//! chunk of the receive buffer is overwritten by phase 2 only after this
+//! rank's phase-1 send of the same bytes completed (NCCL reduces in place).
+//! Tags name the operation (its sequence number, the same on every rank:
+//! NCCL issues collectives in the same order everywhere) and the phase.
+//!
+//! Memory is host memory (`ptrSupport = HOST`); registrations go to the
+//! device's registration cache through the group's comms. The reduction
+//! itself is [`reduce`].
+
+pub mod reduce;
+
+use std::ffi::c_void;
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::core::handles::Registry;
+use crate::core::{self, props, RecvArg};
+use crate::error::{Error, Result};
+use crate::proto::wire::HANDLE_SIZE;
+use reduce::{DataType, RedOp};
+
+/// Bytes per message of a shard (a multiple of the element size is used).
+pub const CHUNK: usize = 1 << 20;
+/// Messages in flight per peer, phase and direction.
+const WINDOW: usize = 4;
+/// Tag of the rank announcement on a new group's comms.
+const HELLO_TAG: i32 = 0x7fff_fff0;
+
+/// A listening CollNet comm: the core listener of one device.
+#[derive(Debug)]
+pub struct CollListen {
+    ctx: usize,
+    dev: i32,
+    listen: usize,
+}
+
+/// A connected group.
+#[derive(Debug)]
+pub struct CollComm {
+    rank: usize,
+    nranks: usize,
+    dev: i32,
+    /// Core send and receive comm per rank (0 at this rank's own index).
+    send: Vec<usize>,
+    recv: Vec<usize>,
+    /// Operations issued so far (the next one's sequence number).
+    seq: Mutex<u32>,
+}
+
+/// A CollNet memory handle: the core's registration, where the group has
+/// comms to register through (a group of one has none, and needs none).
+#[derive(Debug)]
+pub struct CollMr {
+    core: Option<usize>,
+}
+
+static LISTENS: LazyLock<Registry<CollListen>> = LazyLock::new(Registry::default);
+static COMMS: LazyLock<Registry<CollComm>> = LazyLock::new(Registry::default);
+static MRS: LazyLock<Registry<CollMr>> = LazyLock::new(Registry::default);
+static REQS: LazyLock<Registry<Mutex<Coll>>> = LazyLock::new(Registry::default);
+
+fn p(v: usize) -> *mut c_void {
+    v as *mut c_void
+}
+
+/// `listen(dev)` on context `ctx`: the core listener, whose handle is the
+/// CollNet handle.
+pub fn listen(ctx: *mut c_void, dev: i32, handle: &mut [u8; HANDLE_SIZE]) -> Result<*mut c_void> {
+    let l = core::listen(ctx, dev, handle)?;
+    Ok(LISTENS.insert(Arc::new(CollListen {
+        ctx: ctx as usize,
+        dev,
+        listen: l as usize,
+    })))
+}
+
+/// `closeListen`.
+pub fn close_listen(l: *mut c_void) -> Result<()> {
+    let l = LISTENS.remove(l).ok_or_else(|| {
+        Error::internal(format!(
+            "CollNet closeListen: {l:p} is not a live listen comm"
+        ))
+    })?;
+    core::close_listen(p(l.listen))
+}
+
+/// `connect(handles, rank, listenComm)`: builds the group; returns once
+/// every rank is connected both ways.
+pub fn connect(
+    handles: &[[u8; HANDLE_SIZE]],
+    rank: usize,
+    listen: *mut c_void,
+) -> Result<*mut c_void> {
+    let l = LISTENS.get(listen).ok_or_else(|| {
+        Error::internal(format!(
+            "CollNet connect: {listen:p} is not a live listen comm"
+        ))
+    })?;
+    let n = handles.len();
+    if rank >= n {
+        return Err(Error::internal(format!(
+            "CollNet connect: rank {rank} of a group of {n}"
+        )));
+    }
+    let mut send = vec![0usize; n];
+    let mut accepted: Vec<usize> = Vec::new();
+    let mut hs: Vec<[u8; HANDLE_SIZE]> = handles.to_vec();
+    let timeout = core::peer_timeout()?;
+    let mut last_progress = Instant::now();
+    let result = (|| -> Result<Vec<usize>> {
+        loop {
+            let mut progressed = false;
+            for j in 0..n {
+                if j == rank || send[j] != 0 {
+                    continue;
+                }
+                if let Some(s) = core::connect(p(l.ctx), l.dev, None, &mut hs[j])? {
+                    send[j] = s as usize;
+                    progressed = true;
+                }
+            }
+            if accepted.len() < n - 1 {
+                if let Some(r) = core::accept(p(l.listen))? {
+                    accepted.push(r as usize);
+                    progressed = true;
+                }
+            }
+            let connected = (0..n).filter(|&j| j != rank && send[j] != 0).count();
+            if connected == n - 1 && accepted.len() == n - 1 {
+                return hello(rank, &send, &accepted, timeout);
+            }
+            if progressed {
+                last_progress = Instant::now();
+            } else if last_progress.elapsed() > timeout {
+                let missing: Vec<usize> = (0..n).filter(|&j| j != rank && send[j] == 0).collect();
+                return Err(Error::remote(format!(
+                    "CollNet connect: rank {rank} of {n}: no progress for {:.1} s (WEFT_PEER_TIMEOUT); \
+                     not connected to ranks {missing:?}, {} of {} accepted",
+                    timeout.as_secs_f64(),
+                    accepted.len(),
+                    n - 1
+                )));
+            }
+            std::thread::yield_now();
+        }
+    })();
+    match result {
+        Ok(recv) => Ok(COMMS.insert(Arc::new(CollComm {
+            rank,
+            nranks: n,
+            dev: l.dev,
+            send,
+            recv,
+            seq: Mutex::new(0),
+        }))),
+        Err(e) => {
+            for s in send.into_iter().filter(|&s| s != 0) {
+                let _ = core::close_send(p(s));
+            }
+            for r in accepted {
+                let _ = core::close_recv(p(r));
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Each rank says its rank on every send comm; the receive comms are then
+/// ordered by whose they are.
+fn hello(rank: usize, send: &[usize], accepted: &[usize], timeout: Duration) -> Result<Vec<usize>> {
+    let n = send.len();
+    let mine = (rank as u64).to_le_bytes();
+    let mut theirs = vec![[0u8; 8]; accepted.len()];
+    let any = send.iter().copied().find(|&s| s != 0).expect("n > 1");
+    let smh = core::reg_mr(p(any), mine.as_ptr() as *mut c_void, 8, props::PTR_HOST)?;
+    let rmh = core::reg_mr(
+        p(any),
+        theirs.as_mut_ptr().cast(),
+        8 * theirs.len(),
+        props::PTR_HOST,
+    )?;
+    let mut run = || -> Result<Vec<usize>> {
+        let mut reqs: Vec<usize> = Vec::new();
+        let mut sent = vec![false; n];
+        let mut posted = vec![false; accepted.len()];
+        let mut waiting = 2 * (n - 1);
+        let mut last = Instant::now();
+        while waiting > 0 {
+            for j in 0..n {
+                if send[j] == 0 || sent[j] {
+                    continue;
+                }
+                // SAFETY: `mine` is registered with `smh` and outlives the request.
+                if let Some(q) = unsafe {
+                    core::isend(
+                        p(send[j]),
+                        mine.as_ptr() as *mut c_void,
+                        8,
+                        HELLO_TAG,
+                        smh,
+                        std::ptr::null_mut(),
+                    )
+                }? {
+                    sent[j] = true;
+                    reqs.push(q as usize);
+                }
+            }
+            for (i, &r) in accepted.iter().enumerate() {
+                if posted[i] {
+                    continue;
+                }
+                let arg = RecvArg {
+                    data: theirs[i].as_mut_ptr().cast(),
+                    size: 8,
+                    tag: HELLO_TAG,
+                    mhandle: rmh,
+                    phandle: std::ptr::null_mut(),
+                };
+                // SAFETY: `theirs` is registered with `rmh` and outlives the request.
+                if let Some(q) = unsafe { core::irecv(p(r), &[arg]) }? {
+                    posted[i] = true;
+                    reqs.push(q as usize);
+                }
+            }
+            let before = reqs.len();
+            let mut i = 0;
+            while i < reqs.len() {
+                if core::test(p(reqs[i]))?.is_some() {
+                    reqs.swap_remove(i);
+                    waiting -= 1;
+                } else {
+                    i += 1;
+                }
+            }
+            if reqs.len() != before {
+                last = Instant::now();
+            } else if last.elapsed() > timeout {
+                return Err(Error::remote(format!(
+                    "CollNet connect: rank {rank}: the group's ranks did not all say who they are within {:.1} s (WEFT_PEER_TIMEOUT)",
+                    timeout.as_secs_f64()
+                )));
+            }
+            std::thread::yield_now();
+        }
+        let mut recv = vec![0usize; n];
+        for (i, t) in theirs.iter().enumerate() {
+            let j = u64::from_le_bytes(*t) as usize;
+            if j >= n || j == rank || recv[j] != 0 {
+                return Err(Error::remote(format!(
+                    "CollNet connect: rank {rank}: a peer said it is rank {j} of {n} (twice, or out of range)"
+                )));
+            }
+            recv[j] = accepted[i];
+        }
+        Ok(recv)
+    };
+    let r = run();
+    core::dereg_mr(p(any), smh)?;
+    core::dereg_mr(p(any), rmh)?;
+    r
+}
+
+fn comm(c: *mut c_void, call: &str) -> Result<Arc<CollComm>> {
+    COMMS.get(c).ok_or_else(|| {
+        Error::internal(format!(
+            "CollNet {call}: {c:p} is not a live collective comm"
+        ))
+    })
+}
+
+impl CollComm {
+    /// A comm to register memory through (any of the group's).
+    fn any(&self) -> Option<usize> {
+        self.send.iter().copied().find(|&s| s != 0)
+    }
+}
+
+/// `closeColl`: closes the group's comms.
+pub fn close_coll(c: *mut c_void) -> Result<()> {
+    let g = COMMS.remove(c).ok_or_else(|| {
+        Error::internal(format!(
+            "CollNet closeColl: {c:p} is not a live collective comm"
+        ))
+    })?;
+    let mut first = Ok(());
+    for &s in g.send.iter().filter(|&&s| s != 0) {
+        first = first.and(core::close_send(p(s)));
+    }
+    for &r in g.recv.iter().filter(|&&r| r != 0) {
+        first = first.and(core::close_recv(p(r)));
+    }
+    first
+}
+
+/// `reduceSupport(type, op)`: every type and op this build reduces.
+pub fn reduce_support(ty: i32, op: i32) -> bool {
+    DataType::from_nccl(ty).is_some() && RedOp::from_nccl(op).is_some()
+}
+
+/// `regMr(collComm, data, size, type)`.
+pub fn reg_mr(
+    c: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    ptr_type: i32,
+) -> Result<*mut c_void> {
+    let g = comm(c, "regMr")?;
+    if ptr_type != props::PTR_HOST {
+        return Err(Error::usage(format!(
+            "CollNet regMr: memory type {ptr_type:#x} is not supported: host memory only (ptrSupport = NCCL_PTR_HOST)"
+        )));
+    }
+    let core = match g.any() {
+        Some(any) => Some(core::reg_mr(p(any), data, size, ptr_type)? as usize),
+        None => None,
+    };
+    Ok(MRS.insert(Arc::new(CollMr { core })))
+}
+
+/// `deregMr(collComm, mhandle)`.
+pub fn dereg_mr(mh: *mut c_void) -> Result<()> {
+    let m = MRS.remove(mh).ok_or_else(|| {
+        Error::internal(format!(
+            "CollNet deregMr: {mh:p} is not a live memory handle"
+        ))
+    })?;
+    match m.core {
+        Some(h) => core::dereg_mr(std::ptr::null_mut(), p(h)),
+        None => Ok(()),
+    }
+}
+
+fn core_mh(mh: *mut c_void, call: &str) -> Result<usize> {
+    MRS.get(mh)
+        .ok_or_else(|| {
+            Error::internal(format!(
+                "CollNet {call}: {mh:p} is not a live memory handle"
+            ))
+        })
+        .map(|m| m.core.unwrap_or(0))
+}
+
+/// One chunk of a transfer: where, how long, and its request while posted.
+#[derive(Debug, Clone, Copy)]
+struct Chunk {
+    off: usize,
+    len: usize,
+}
+
+/// A transfer stream to or from one peer in one phase: its chunks, the next
+/// to post, and the requests in flight (chunk index, request).
+#[derive(Debug, Default)]
+struct Stream {
+    next: usize,
+    done: Vec<bool>,
+    inflight: Vec<(usize, usize)>,
+}
+
+impl Stream {
+    fn new(chunks: usize) -> Self {
+        Self {
+            next: 0,
+            done: vec![false; chunks],
+            inflight: Vec::new(),
+        }
+    }
+    fn finished(&self) -> bool {
+        self.done.iter().all(|&d| d)
+    }
+    /// Tests what is in flight; marks what completed.
+    fn test(&mut self) -> Result<()> {
+        let mut i = 0;
+        while i < self.inflight.len() {
+            let (c, q) = self.inflight[i];
+            if core::test(p(q))?.is_some() {
+                self.done[c] = true;
+                self.inflight.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a collective does with the two phases (see the module's "All-reduce").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Both: reduce-scatter, then all-gather of the reduced shards.
+    AllReduce,
+    /// Phase 2 only: each rank's part to every rank.
+    AllGather,
+    /// Phase 1 only: each shard reduced at its owner.
+    ReduceScatter,
+}
+
+/// A collective in progress. Shards are byte ranges of the operation's
+/// global buffer; the addresses below say where each lives here.
+#[derive(Debug)]
+pub struct Coll {
+    g: Arc<CollComm>,
+    kind: Kind,
+    ty: DataType,
+    op: RedOp,
+    /// Bytes `test` reports.
+    bytes: usize,
+    tag: [i32; 2],
+    shards: Vec<(usize, usize)>,
+    chunks: Vec<Vec<Chunk>>,
+    /// Phase 1: where shard j starts in my input (sent to rank j; mine is
+    /// my own contribution), and where my reduced shard goes.
+    p1_src: Vec<usize>,
+    p1_out: usize,
+    smh: usize,
+    /// Phase 2: where my shard starts (sent to every rank), where shard j
+    /// lands, and the memory handles of both.
+    p2_src: usize,
+    p2_dst: Vec<usize>,
+    p2_src_mh: usize,
+    p2_dst_mh: usize,
+    /// Phase 2 may overwrite bytes phase 1 still sends (all-reduce in place).
+    hazard: bool,
+    p1_send: Vec<Stream>,
+    p1_recv: Vec<Stream>,
+    p2_send: Vec<Stream>,
+    p2_recv: Vec<Stream>,
+    /// Chunks of my shard ready for phase 2 (reduced, or given).
+    ready: usize,
+    /// The peers' contributions to my shard, one shard-sized slot per rank.
+    scratch: Vec<u8>,
+    scratch_mh: usize,
+    acc: Vec<u8>,
+}
+
+/// What a new collective needs besides its kind.
+struct Spec {
+    ty: DataType,
+    op: RedOp,
+    bytes: usize,
+    shards: Vec<(usize, usize)>,
+    p1_src: Vec<usize>,
+    p1_out: usize,
+    smh: usize,
+    p2_src: usize,
+    p2_dst: Vec<usize>,
+    p2_src_mh: usize,
+    p2_dst_mh: usize,
+    hazard: bool,
+}
+
+impl Coll {
+    fn start(g: Arc<CollComm>, kind: Kind, s: Spec) -> Result<*mut c_void> {
+        let seq = {
+            let mut q = g.seq.lock().unwrap_or_else(|e| e.into_inner());
+            let v = *q;
+            *q = q.wrapping_add(1);
+            v
+        };
+        let n = g.nranks;
+        let me = g.rank;
+        let ts = s.ty.size();
+        let chunk = (CHUNK / ts).max(1) * ts;
+        let chunks: Vec<Vec<Chunk>> = s
+            .shards
+            .iter()
+            .map(|&(a, b)| {
+                (a..b)
+                    .step_by(chunk)
+                    .map(|off| Chunk {
+                        off,
+                        len: chunk.min(b - off),
+                    })
+                    .collect()
+            })
+            .collect();
+        let reduce = kind != Kind::AllGather;
+        let gather = kind != Kind::ReduceScatter;
+        let my_len = s.shards[me].1 - s.shards[me].0;
+        let mut scratch = vec![0u8; if reduce { my_len * n } else { 0 }];
+        let scratch_mh = match g.any() {
+            Some(any) if reduce && my_len > 0 => core::reg_mr(
+                p(any),
+                scratch.as_mut_ptr().cast(),
+                scratch.len(),
+                props::PTR_HOST,
+            )? as usize,
+            _ => 0,
+        };
+        let streams = |on: bool, shard: &dyn Fn(usize) -> usize| -> Vec<Stream> {
+            (0..n)
+                .map(|j| {
+                    Stream::new(if on && j != me {
+                        chunks[shard(j)].len()
+                    } else {
+                        0
+                    })
+                })
+                .collect()
+        };
+        let tag_base = ((seq & 0x00ff_ffff) as i32) << 2;
+        let c = Coll {
+            kind,
+            ty: s.ty,
+            op: s.op,
+            bytes: s.bytes,
+            tag: [tag_base, tag_base | 1],
+            p1_send: streams(reduce, &|j| j),
+            p1_recv: streams(reduce, &|_| me),
+            p2_send: streams(gather, &|_| me),
+            p2_recv: streams(gather, &|j| j),
+            ready: if reduce { 0 } else { chunks[me].len() },
+            acc: vec![0u8; if reduce { chunk.min(my_len) } else { 0 }],
+            shards: s.shards,
+            chunks,
+            p1_src: s.p1_src,
+            p1_out: s.p1_out,
+            smh: s.smh,
+            p2_src: s.p2_src,
+            p2_dst: s.p2_dst,
+            p2_src_mh: s.p2_src_mh,
+            p2_dst_mh: s.p2_dst_mh,
+            hazard: s.hazard,
+            scratch,
+            scratch_mh,
+            g,
+        };
+        if kind == Kind::AllGather && my_len > 0 && c.p2_src != c.p2_dst[me] {
+            // SAFETY: my part, `my_len` bytes in NCCL's send buffer and in
+            // its receive window (the caller checked both); they may overlap.
+            unsafe { std::ptr::copy(c.p2_src as *const u8, c.p2_dst[me] as *mut u8, my_len) };
+        }
+        Ok(REQS.insert(Arc::new(Mutex::new(c))))
+    }
+
+    /// One step: posts what may go, tests what is in flight, reduces what
+    /// arrived. `true` once everything is done.
+    fn step(&mut self) -> Result<bool> {
+        let n = self.g.nranks;
+        let me = self.g.rank;
+        let my0 = self.shards[me].0;
+        if n == 1 {
+            if self.kind != Kind::AllGather {
+                let len = self.shards[0].1 - self.shards[0].0;
+                if len > 0 && self.p1_src[0] != self.p1_out {
+                    // SAFETY: NCCL's buffers of `len` bytes each (checked by
+                    // the caller); `copy` allows them to overlap.
+                    unsafe {
+                        std::ptr::copy(self.p1_src[0] as *const u8, self.p1_out as *mut u8, len)
+                    };
+                }
+            }
+            return Ok(true);
+        }
+        for j in (0..n).filter(|&j| j != me) {
+            // Phase 1 send: shard j of my input to rank j.
+            while self.p1_send[j].inflight.len() < WINDOW
+                && self.p1_send[j].next < self.p1_send[j].done.len()
+            {
+                let c = self.chunks[j][self.p1_send[j].next];
+                let src = p(self.p1_src[j] + (c.off - self.shards[j].0));
+                // SAFETY: inside NCCL's send buffer, registered with smh.
+                let q = unsafe {
+                    core::isend(
+                        p(self.g.send[j]),
+                        src,
+                        c.len,
+                        self.tag[0],
+                        p(self.smh),
+                        std::ptr::null_mut(),
+                    )
+                }?;
+                let Some(q) = q else { break };
+                let s = &mut self.p1_send[j];
+                s.inflight.push((s.next, q as usize));
+                s.next += 1;
+            }
+            // Phase 1 receive: rank j's copy of my shard, into its scratch slot.
+            while self.p1_recv[j].inflight.len() < WINDOW
+                && self.p1_recv[j].next < self.p1_recv[j].done.len()
+            {
+                let c = self.chunks[me][self.p1_recv[j].next];
+                let at = j * (self.shards[me].1 - my0) + (c.off - my0);
+                let arg = RecvArg {
+                    data: self.scratch.as_mut_ptr().wrapping_add(at).cast(),
+                    size: c.len,
+                    tag: self.tag[0],
+                    mhandle: p(self.scratch_mh),
+                    phandle: std::ptr::null_mut(),
+                };
+                // SAFETY: inside the scratch buffer this request owns, registered.
+                let Some(q) = (unsafe { core::irecv(p(self.g.recv[j]), &[arg]) })? else {
+                    break;
+                };
+                let s = &mut self.p1_recv[j];
+                s.inflight.push((s.next, q as usize));
+                s.next += 1;
+            }
+            self.p1_send[j].test()?;
+            self.p1_recv[j].test()?;
+        }
+        // Reduce, in order, the chunks of my shard whose contributions are all in.
+        if self.kind != Kind::AllGather {
+            while self.ready < self.chunks[me].len()
+                && (0..n).all(|j| j == me || self.p1_recv[j].done[self.ready])
+            {
+                self.reduce_chunk(self.ready);
+                self.ready += 1;
+            }
+        }
+        for j in (0..n).filter(|&j| j != me) {
+            // Phase 2 send: my ready chunks to rank j.
+            while self.p2_send[j].inflight.len() < WINDOW
+                && self.p2_send[j].next < self.p2_send[j].done.len()
+                && self.p2_send[j].next < self.ready
+            {
+                let c = self.chunks[me][self.p2_send[j].next];
+                let src = p(self.p2_src + (c.off - my0));
+                // SAFETY: inside NCCL's buffer, registered with p2_src_mh.
+                let q = unsafe {
+                    core::isend(
+                        p(self.g.send[j]),
+                        src,
+                        c.len,
+                        self.tag[1],
+                        p(self.p2_src_mh),
+                        std::ptr::null_mut(),
+                    )
+                }?;
+                let Some(q) = q else { break };
+                let s = &mut self.p2_send[j];
+                s.inflight.push((s.next, q as usize));
+                s.next += 1;
+            }
+            // Phase 2 receive: rank j's chunk; in place, only once my
+            // phase-1 send of the same bytes is done.
+            while self.p2_recv[j].inflight.len() < WINDOW
+                && self.p2_recv[j].next < self.p2_recv[j].done.len()
+                && (!self.hazard || self.p1_send[j].done[self.p2_recv[j].next])
+            {
+                let c = self.chunks[j][self.p2_recv[j].next];
+                let arg = RecvArg {
+                    data: p(self.p2_dst[j] + (c.off - self.shards[j].0)),
+                    size: c.len,
+                    tag: self.tag[1],
+                    mhandle: p(self.p2_dst_mh),
+                    phandle: std::ptr::null_mut(),
+                };
+                // SAFETY: inside NCCL's receive buffer, registered with p2_dst_mh.
+                let Some(q) = (unsafe { core::irecv(p(self.g.recv[j]), &[arg]) })? else {
+                    break;
+                };
+                let s = &mut self.p2_recv[j];
+                s.inflight.push((s.next, q as usize));
+                s.next += 1;
+            }
+            self.p2_send[j].test()?;
+            self.p2_recv[j].test()?;
+        }
+        Ok(self.ready == self.chunks[me].len()
+            && (0..n).all(|j| {
+                self.p1_send[j].finished()
+                    && self.p2_send[j].finished()
+                    && self.p2_recv[j].finished()
+            }))
+    }
+
+    /// Reduces chunk `c` of my shard over every rank's contribution, in
+    /// rank order, into its output.
+    fn reduce_chunk(&mut self, c: usize) {
+        let me = self.g.rank;
+        let ch = self.chunks[me][c];
+        let shard_len = self.shards[me].1 - self.shards[me].0;
+        let rel = ch.off - self.shards[me].0;
+        let own = self.p1_src[me] + rel;
+        let contribution = |k: usize, scratch: &[u8]| -> *const u8 {
+            if k == me {
+                own as *const u8
+            } else {
+                scratch[k * shard_len + rel..].as_ptr()
+            }
+        };
+        let acc = &mut self.acc[..ch.len];
+        // SAFETY: each contribution is `ch.len` bytes inside NCCL's send
+        // buffer or this request's scratch buffer; none overlaps `acc`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(contribution(0, &self.scratch), acc.as_mut_ptr(), ch.len);
+        }
+        for k in 1..self.g.nranks {
+            // SAFETY: as above.
+            let src = unsafe { std::slice::from_raw_parts(contribution(k, &self.scratch), ch.len) };
+            reduce::reduce(self.ty, self.op, acc, src);
+        }
+        // SAFETY: the chunk lies inside NCCL's output buffer (which may be
+        // the send buffer: the contributions were read above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(acc.as_ptr(), (self.p1_out + rel) as *mut u8, ch.len)
+        };
+    }
+}
+
+impl Drop for Coll {
+    fn drop(&mut self) {
+        if self.scratch_mh != 0 {
+            let _ = core::dereg_mr(std::ptr::null_mut(), p(self.scratch_mh));
+        }
+    }
+}
+
+/// Shards of `count` elements of `size` bytes over `n` ranks (balanced by
+/// element), as byte ranges.
+fn even_shards(count: usize, size: usize, n: usize) -> Vec<(usize, usize)> {
+    (0..n)
+        .map(|j| (count * j / n * size, count * (j + 1) / n * size))
+        .collect()
+}
+
+/// Rank parts of `per_rank` bytes cut to the window `[off, off + len)`.
+fn window_shards(n: usize, per_rank: usize, off: usize, len: usize) -> Vec<(usize, usize)> {
+    (0..n)
+        .map(|j| {
+            let a = (j * per_rank).max(off);
+            let b = ((j + 1) * per_rank).min(off + len);
+            if a < b {
+                (a, b)
+            } else {
+                (a.min(off + len), a.min(off + len))
+            }
+        })
+        .collect()
+}
+
+/// `iallreduce`: a request `test` drives to completion.
+///
+/// # Safety
+/// `send` and `recv` must be `count` elements of `ty`, registered with
+/// `smh`/`rmh`, and stay valid until the request is reported done.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn iallreduce(
+    c: *mut c_void,
+    send: *mut c_void,
+    recv: *mut c_void,
+    count: usize,
+    ty: i32,
+    op: i32,
+    smh: *mut c_void,
+    rmh: *mut c_void,
+) -> Result<*mut c_void> {
+    let g = comm(c, "iallreduce")?;
+    let (dt, rop) = type_op(ty, op, "iallreduce")?;
+    let bytes = count
+        .checked_mul(dt.size())
+        .ok_or_else(|| Error::internal("CollNet iallreduce: count overflows"))?;
+    if bytes > 0 && (send.is_null() || recv.is_null()) {
+        return Err(Error::internal("CollNet iallreduce: NULL buffer"));
+    }
+    let (smh, rmh) = (core_mh(smh, "iallreduce")?, core_mh(rmh, "iallreduce")?);
+    let n = g.nranks;
+    let shards = even_shards(count, dt.size(), n);
+    let (send, recv) = (send as usize, recv as usize);
+    let spec = Spec {
+        ty: dt,
+        op: rop,
+        bytes,
+        p1_src: shards.iter().map(|s| send + s.0).collect(),
+        p1_out: recv + shards[g.rank].0,
+        smh,
+        p2_src: recv + shards[g.rank].0,
+        p2_dst: shards.iter().map(|s| recv + s.0).collect(),
+        p2_src_mh: rmh,
+        p2_dst_mh: rmh,
+        hazard: true,
+        shards,
+    };
+    Coll::start(g, Kind::AllReduce, spec)
+}
+
+/// `iallgather` (v8+): the window `[window_off, window_off + window_bytes)`
+/// of the global buffer (`bytes_per_rank` from each rank, in rank order),
+/// gathered into `recv` (which holds the window). `send` holds this rank's
+/// bytes from the later of the window's start and its part's start.
+///
+/// # Safety
+/// The buffers hold what the arguments say, registered with their handles,
+/// and stay valid until the request is reported done.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn iallgather(
+    c: *mut c_void,
+    send: *mut c_void,
+    recv: *mut c_void,
+    recv_size: usize,
+    recv_mh: *mut c_void,
+    bytes_per_rank: usize,
+    window_off: usize,
+    window_bytes: usize,
+    send_mh: *mut c_void,
+) -> Result<*mut c_void> {
+    let g = comm(c, "iallgather")?;
+    check_window(
+        "iallgather",
+        &g,
+        bytes_per_rank,
+        window_off,
+        window_bytes,
+        recv_size,
+    )?;
+    let (smh, rmh) = (
+        core_mh(send_mh, "iallgather")?,
+        core_mh(recv_mh, "iallgather")?,
+    );
+    let shards = window_shards(g.nranks, bytes_per_rank, window_off, window_bytes);
+    let (send, recv) = (send as usize, recv as usize);
+    let spec = Spec {
+        ty: DataType::U8,
+        op: RedOp::Sum,
+        bytes: window_bytes,
+        p1_src: vec![0; g.nranks],
+        p1_out: 0,
+        smh,
+        p2_src: send,
+        p2_dst: shards.iter().map(|s| recv + (s.0 - window_off)).collect(),
+        p2_src_mh: smh,
+        p2_dst_mh: rmh,
+        hazard: false,
+        shards,
+    };
+    Coll::start(g, Kind::AllGather, spec)
+}
+
+/// `ireducescatter` (v8+): every rank's `send` holds the window
+/// `[window_off, window_off + window_bytes)` of its global input; each rank
+/// gets its part of the window reduced, into `recv` (from the later of the
+/// window's start and its part's start).
+///
+/// # Safety
+/// The buffers hold what the arguments say, registered with their handles,
+/// and stay valid until the request is reported done.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn ireducescatter(
+    c: *mut c_void,
+    send: *mut c_void,
+    send_size: usize,
+    send_mh: *mut c_void,
+    recv: *mut c_void,
+    bytes_per_rank: usize,
+    window_off: usize,
+    window_bytes: usize,
+    ty: i32,
+    op: i32,
+    recv_mh: *mut c_void,
+) -> Result<*mut c_void> {
+    let g = comm(c, "ireducescatter")?;
+    let (dt, rop) = type_op(ty, op, "ireducescatter")?;
+    check_window(
+        "ireducescatter",
+        &g,
+        bytes_per_rank,
+        window_off,
+        window_bytes,
+        send_size,
+    )?;
+    if bytes_per_rank % dt.size() != 0
+        || window_off % dt.size() != 0
+        || window_bytes % dt.size() != 0
+    {
+        return Err(Error::internal(format!(
+            "CollNet ireducescatter: sizes and offsets must be whole {}-byte elements",
+            dt.size()
+        )));
+    }
+    let (smh, rmh) = (
+        core_mh(send_mh, "ireducescatter")?,
+        core_mh(recv_mh, "ireducescatter")?,
+    );
+    let shards = window_shards(g.nranks, bytes_per_rank, window_off, window_bytes);
+    let (send, recv) = (send as usize, recv as usize);
+    let spec = Spec {
+        ty: dt,
+        op: rop,
+        bytes: window_bytes,
+        p1_src: shards.iter().map(|s| send + (s.0 - window_off)).collect(),
+        p1_out: recv,
+        smh,
+        p2_src: 0,
+        p2_dst: vec![0; g.nranks],
+        p2_src_mh: 0,
+        p2_dst_mh: rmh,
+        hazard: false,
+        shards,
+    };
+    Coll::start(g, Kind::ReduceScatter, spec)
+}
+
+fn type_op(ty: i32, op: i32, call: &str) -> Result<(DataType, RedOp)> {
+    match (DataType::from_nccl(ty), RedOp::from_nccl(op)) {
+        (Some(t), Some(o)) => Ok((t, o)),
+        _ => Err(Error::internal(format!(
+            "CollNet {call}: type {ty} / op {op} is not one reduceSupport claimed"
+        ))),
+    }
+}
+
+/// A window must lie inside the global buffer, and the part NCCL describes
+/// must hold it.
+fn check_window(
+    call: &str,
+    g: &CollComm,
+    per_rank: usize,
+    off: usize,
+    len: usize,
+    part: usize,
+) -> Result<()> {
+    let total = per_rank.checked_mul(g.nranks);
+    if total.is_none_or(|t| off.checked_add(len).is_none_or(|e| e > t)) || part < len {
+        return Err(Error::internal(format!(
+            "CollNet {call}: window of {len} bytes at {off} outside {} ranks x {per_rank} bytes, or a buffer of {part} bytes",
+            g.nranks
+        )));
+    }
+    Ok(())
+}
+
+/// `test(request)`: `Some(bytes)` once done (the request is then freed).
+pub fn test(req: *mut c_void) -> Result<Option<usize>> {
+    let r = REQS
+        .get(req)
+        .ok_or_else(|| Error::internal(format!("CollNet test: {req:p} is not a live request")))?;
+    let mut op = r.lock().unwrap_or_else(|e| e.into_inner());
+    match op.step() {
+        Ok(false) => Ok(None),
+        Ok(true) => {
+            let bytes = op.bytes;
+            drop(op);
+            REQS.remove(req);
+            Ok(Some(bytes))
+        }
+        Err(e) => {
+            drop(op);
+            REQS.remove(req);
+            Err(e.context("CollNet all-reduce"))
+        }
+    }
+}
+
+/// The group's device (its properties are the net device's).
+pub fn device_of(c: *mut c_void) -> Result<i32> {
+    Ok(comm(c, "device")?.dev)
+}
