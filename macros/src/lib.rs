@@ -19,8 +19,7 @@
 //! serve is a compile error naming it and the version, unless the mapping
 //! says `null` (only for members NCCL treats as optional) or gives a value.
 //! The default mapping leaves NULL what Weft does not offer: device offload
-//! (`getDeviceMr`, `irecvConsumed`), DMA-BUF, NIC fusion (`makeVDevice`) and
-//! CollNet's `iallgather`/`ireducescatter`.
+//! (`getDeviceMr`, `irecvConsumed`), DMA-BUF and NIC fusion (`makeVDevice`).
 
 use proc_macro::TokenStream;
 use proc_macro2::{Span, TokenStream as Tokens};
@@ -59,6 +58,8 @@ const SERVED_COLLNET: &[&str] = &[
     "regMr",
     "deregMr",
     "iallreduce",
+    "iallgather",
+    "ireducescatter",
     "iflush",
     "test",
     "closeColl",
@@ -91,15 +92,8 @@ const MANDATORY: &[&str] = &[
     "closeColl",
 ];
 /// What the default mapping leaves NULL: no device offload, no DMA-BUF, no
-/// NIC fusion, no CollNet gather/scatter.
-const DEFAULT_NULL: &[&str] = &[
-    "getDeviceMr",
-    "irecvConsumed",
-    "makeVDevice",
-    "regMrDmaBuf",
-    "iallgather",
-    "ireducescatter",
-];
+/// NIC fusion.
+const DEFAULT_NULL: &[&str] = &["getDeviceMr", "irecvConsumed", "makeVDevice", "regMrDmaBuf"];
 
 /// The hand-written part of an invocation.
 struct Mapping {

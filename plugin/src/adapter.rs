@@ -173,7 +173,7 @@ impl<T, U> Conv<*const U> for *const T {
 macro_rules! same {
     ($($t:ty),*) => { $(impl Conv<$t> for $t { fn conv(self) -> $t { self } })* };
 }
-same!(c_int, u64, Option<Logger>);
+same!(c_int, u64, usize, Option<Logger>);
 impl Conv<CSize> for c_int {
     fn conv(self) -> CSize {
         CSize::Int(self)
@@ -211,6 +211,65 @@ macro_rules! args {
 
 const NULL: *mut c_void = std::ptr::null_mut();
 const NULL2: *mut *mut c_void = std::ptr::null_mut();
+
+/// `ncclNetSGE_vN_t*` of any version (v8+): its `size` is 32 bits in v8
+/// and `size_t` from v9 on; the rest is the same.
+#[derive(Debug, Clone, Copy, Default)]
+pub enum SgePtr {
+    /// Not given.
+    #[default]
+    None,
+    /// v8: 32-bit size.
+    Narrow(*const c_void),
+    /// v9+: `size_t` size.
+    Wide(*const c_void),
+}
+
+#[repr(C)]
+struct Sge<S> {
+    mhandle: *mut c_void,
+    address: *mut c_void,
+    size: S,
+}
+
+impl SgePtr {
+    /// (mhandle, address, size) of the first element.
+    ///
+    /// # Safety
+    /// The pointer is NULL or NCCL's SGE array of the version it came from.
+    unsafe fn first(self, what: &str) -> Result<(*mut c_void, *mut c_void, usize)> {
+        let null = || Error::internal(format!("{what}: NULL scatter-gather list"));
+        // SAFETY: NCCL's array of this version's layout (caller's contract).
+        unsafe {
+            match self {
+                SgePtr::None => Err(null()),
+                SgePtr::Narrow(p) => p
+                    .cast::<Sge<u32>>()
+                    .as_ref()
+                    .map(|s| (s.mhandle, s.address, s.size as usize))
+                    .ok_or_else(null),
+                SgePtr::Wide(p) => p
+                    .cast::<Sge<usize>>()
+                    .as_ref()
+                    .map(|s| (s.mhandle, s.address, s.size))
+                    .ok_or_else(null),
+            }
+        }
+    }
+}
+
+macro_rules! sge {
+    ($($m:ident :: $t:ident => $v:ident),*) => {$(
+        impl Conv<SgePtr> for *mut crate::$m::$t {
+            fn conv(self) -> SgePtr {
+                SgePtr::$v(self.cast_const().cast())
+            }
+        }
+    )*};
+}
+sge!(collnet_v8::ncclNetSGE_v8_t => Narrow, collnet_v9::ncclNetSGE_v9_t => Wide,
+     collnet_v10::ncclNetSGE_v10_t => Wide, collnet_v11::ncclNetSGE_v11_t => Wide,
+     collnet_v12::ncclNetSGE_v12_t => Wide);
 
 /// `ncclNetCommConfig_vN_t` (v10+), the same in every version.
 #[repr(C)]
@@ -534,6 +593,13 @@ pub mod collnet {
             iallreduce { collComm: *mut c_void = NULL, sendData: *mut c_void = NULL, recvData: *mut c_void = NULL,
                          count: CSize = CSize::None, dataType: c_int = 0, redOp: c_int = 0, sendMhandle: *mut c_void = NULL,
                          recvMhandle: *mut c_void = NULL, request: *mut *mut c_void = NULL2 }
+            iallgather { collComm: *mut c_void = NULL, sendData: *mut c_void = NULL, nRecvParts: c_int = 0,
+                         recvParts: SgePtr = SgePtr::None, bytesPerRank: usize = 0, windowOffset: usize = 0,
+                         windowBytes: usize = 0, sendMhandle: *mut c_void = NULL, request: *mut *mut c_void = NULL2 }
+            ireducescatter { collComm: *mut c_void = NULL, nSendParts: c_int = 0, sendParts: SgePtr = SgePtr::None,
+                             recvData: *mut c_void = NULL, bytesPerRank: usize = 0, windowOffset: usize = 0,
+                             windowBytes: usize = 0, dataType: c_int = 0, redOp: c_int = 0,
+                             recvMhandle: *mut c_void = NULL, request: *mut *mut c_void = NULL2 }
             iflush { collComm: *mut c_void = NULL, data: *mut c_void = NULL, size: CSize = CSize::None, mhandle: *mut c_void = NULL,
                      request: *mut *mut c_void = NULL2 }
             test { request: *mut c_void = NULL, done: *mut c_int = std::ptr::null_mut(), size: *mut c_int = std::ptr::null_mut() }
@@ -652,6 +718,72 @@ pub mod collnet {
                 a.dataType,
                 a.redOp,
                 a.sendMhandle,
+                a.recvMhandle,
+            )?
+        };
+        Ok(())
+    }
+    /// `iallgather` (v8+; NCCL passes one part).
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn iallgather(a: args::iallgather) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let out = unsafe { out_ref(a.request, "request")? };
+        *out = std::ptr::null_mut();
+        if a.nRecvParts != 1 {
+            return Err(Error::internal(format!(
+                "CollNet iallgather: {} receive parts (NCCL passes 1)",
+                a.nRecvParts
+            )));
+        }
+        // SAFETY: NCCL's one-element list of this version's layout.
+        let (mh, addr, size) = unsafe { a.recvParts.first("CollNet iallgather")? };
+        // SAFETY: NCCL's registered buffers, kept until the request is done.
+        *out = unsafe {
+            cn::iallgather(
+                a.collComm,
+                a.sendData,
+                addr,
+                size,
+                mh,
+                a.bytesPerRank,
+                a.windowOffset,
+                a.windowBytes,
+                a.sendMhandle,
+            )?
+        };
+        Ok(())
+    }
+    /// `ireducescatter` (v8+; NCCL passes one part).
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn ireducescatter(a: args::ireducescatter) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let out = unsafe { out_ref(a.request, "request")? };
+        *out = std::ptr::null_mut();
+        if a.nSendParts != 1 {
+            return Err(Error::internal(format!(
+                "CollNet ireducescatter: {} send parts (NCCL passes 1)",
+                a.nSendParts
+            )));
+        }
+        // SAFETY: NCCL's one-element list of this version's layout.
+        let (mh, addr, size) = unsafe { a.sendParts.first("CollNet ireducescatter")? };
+        // SAFETY: NCCL's registered buffers, kept until the request is done.
+        *out = unsafe {
+            cn::ireducescatter(
+                a.collComm,
+                addr,
+                size,
+                mh,
+                a.recvData,
+                a.bytesPerRank,
+                a.windowOffset,
+                a.windowBytes,
+                a.dataType,
+                a.redOp,
                 a.recvMhandle,
             )?
         };

@@ -389,3 +389,141 @@ fn reduce_support_is_what_is_implemented() {
     assert!(!collnet::reduce_support(12, 0));
     assert!(!collnet::reduce_support(-1, 0));
 }
+
+/// The window of the global buffer (`per_rank` bytes per rank) a call
+/// covers, cut to each rank's part.
+fn parts(n: usize, per_rank: usize, off: usize, len: usize) -> Vec<(usize, usize)> {
+    (0..n)
+        .map(|j| {
+            let a = (j * per_rank).max(off).min(off + len);
+            let b = ((j + 1) * per_rank).min(off + len);
+            (a, b.max(a))
+        })
+        .collect()
+}
+
+/// All-gather and reduce-scatter over whole and partial windows, as NCCL
+/// calls them (one part each; `sendData`/`recvData` start where the window
+/// meets the rank's part): every rank's result against a reference.
+fn gather_and_scatter(provider: &'static str, n: usize) {
+    let per_rank = 3 * (collnet::CHUNK / 2) + 12; // several chunks, whole f32s
+    let windows = [
+        (0, n * per_rank),
+        (per_rank / 2 + 2, per_rank + 8),
+        (per_rank - 4, 8),
+    ];
+    let input = move |rank: usize| bytes(rank as u64 + 77, n * per_rank);
+    let results = group(provider, n, move |rank, g| {
+        let mut out = Vec::new();
+        let full = input(rank);
+        for &(off, len) in &windows {
+            let ps = parts(n, per_rank, off, len);
+            let (a, b) = ps[rank];
+            // All-gather: my part of the window (from my own global input).
+            let mut mine = full[a..b.max(a)].to_vec();
+            mine.push(0); // never an empty buffer to register
+            let mut recv = vec![0u8; len];
+            let smh = collnet::reg_mr(g, mine.as_mut_ptr().cast(), mine.len(), 1).unwrap();
+            let rmh = collnet::reg_mr(g, recv.as_mut_ptr().cast(), len, 1).unwrap();
+            // SAFETY: registered buffers that outlive the request.
+            let q = unsafe {
+                collnet::iallgather(
+                    g,
+                    mine.as_mut_ptr().cast(),
+                    recv.as_mut_ptr().cast(),
+                    len,
+                    rmh,
+                    per_rank,
+                    off,
+                    len,
+                    smh,
+                )
+            }
+            .expect("iallgather");
+            weft_tests::poll_until("all-gather", || collnet::test(q).unwrap());
+            collnet::dereg_mr(smh).unwrap();
+            collnet::dereg_mr(rmh).unwrap();
+            // Reduce-scatter (f32 sum): the window of my global input.
+            let mut send = full[off..off + len].to_vec();
+            for c in send.chunks_mut(4) {
+                let v = (u32::from_ne_bytes(c.try_into().unwrap()) % 1000) as f32;
+                c.copy_from_slice(&v.to_ne_bytes());
+            }
+            let mut got = vec![0u8; (b - a).max(1)];
+            let smh = collnet::reg_mr(g, send.as_mut_ptr().cast(), len, 1).unwrap();
+            let rmh = collnet::reg_mr(g, got.as_mut_ptr().cast(), got.len(), 1).unwrap();
+            // SAFETY: registered buffers that outlive the request.
+            let q = unsafe {
+                collnet::ireducescatter(
+                    g,
+                    send.as_mut_ptr().cast(),
+                    len,
+                    smh,
+                    got.as_mut_ptr().cast(),
+                    per_rank,
+                    off,
+                    len,
+                    7,
+                    0,
+                    rmh,
+                )
+            }
+            .expect("ireducescatter");
+            weft_tests::poll_until("reduce-scatter", || collnet::test(q).unwrap());
+            collnet::dereg_mr(smh).unwrap();
+            collnet::dereg_mr(rmh).unwrap();
+            got.truncate(b - a);
+            out.push((recv, got));
+        }
+        out
+    });
+    for (w, &(off, len)) in windows.iter().enumerate() {
+        let ps = parts(n, per_rank, off, len);
+        // All-gather: the window of the concatenated parts.
+        let global: Vec<u8> = (0..n)
+            .flat_map(|j| input(j)[j * per_rank..(j + 1) * per_rank].to_vec())
+            .collect();
+        for (rank, r) in results.iter().enumerate() {
+            assert!(
+                r[w].0 == global[off..off + len],
+                "{provider}: all-gather window {w}, rank {rank}"
+            );
+        }
+        // Reduce-scatter: each rank's part of the window, summed in rank order.
+        let f32s = |rank: usize| -> Vec<u8> {
+            let mut v = input(rank)[off..off + len].to_vec();
+            for c in v.chunks_mut(4) {
+                let x = (u32::from_ne_bytes(c.try_into().unwrap()) % 1000) as f32;
+                c.copy_from_slice(&x.to_ne_bytes());
+            }
+            v
+        };
+        let mut sum = f32s(0);
+        for rank in 1..n {
+            sum = reference(DataType::F32, RedOp::Sum, &sum, &f32s(rank));
+        }
+        for (rank, r) in results.iter().enumerate() {
+            let (a, b) = ps[rank];
+            assert!(
+                r[w].1 == sum[a - off..b - off],
+                "{provider}: reduce-scatter window {w}, rank {rank}"
+            );
+        }
+    }
+    println!(
+        "{provider}: all-gather and reduce-scatter over {} windows, {n} ranks, as the reference",
+        windows.len()
+    );
+}
+
+#[test]
+fn shm_gather_and_scatter_three_ranks() {
+    weft_tests::isolated!();
+    gather_and_scatter("shm", 3);
+}
+
+#[test]
+fn tcp_gather_and_scatter_two_ranks() {
+    weft_tests::isolated!();
+    gather_and_scatter("tcp", 2);
+}

@@ -10,8 +10,9 @@ use weft_tests::emu;
 /// its version's shape, `devices()` = the net devices, `reduceSupport` for
 /// every (type, op) NCCL asks; then a group of two ranks (threads) built
 /// with `listen` and one `connect` each, an in-place fp32 sum all-reduce
-/// through `regMr`/`iallreduce`/`test`, and `deregMr`, `closeColl`,
-/// `closeListen` (and `finalize` on v11+).
+/// through `regMr`/`iallreduce`/`test`, on v8+ an all-gather and a
+/// reduce-scatter through their scatter-gather parts, and `deregMr`,
+/// `closeColl`, `closeListen` (and `finalize` on v11+).
 #[test]
 fn collnet_tables_drive_a_group_of_two() {
     weft_tests::isolated!();
@@ -20,7 +21,7 @@ fn collnet_tables_drive_a_group_of_two() {
     let lib = emu::open();
     let null = std::ptr::null_mut::<c_void>;
     macro_rules! collnet {
-        ($m:ident, $t:ident, $v:literal, $init:ident, $listen:ident, $size:ty, $count:ty) => {{
+        ($m:ident, $t:ident, $v:literal, $init:ident, $listen:ident, $size:ty, $count:ty $(, $sge:ident, $sz:ty)?) => {{
             let name = concat!("ncclCollNetPlugin_v", $v);
             // SAFETY: the symbol is a static table of this type (ABI guard).
             let t: &g::$m::$t = unsafe {
@@ -82,6 +83,7 @@ fn collnet_tables_drive_a_group_of_two() {
                             assert_eq!((t.iflush.unwrap())(coll, p, 4000, mh, &mut freq), 0);
                             assert!(freq.is_null(), "host memory needs no flush");
                             assert_eq!((t.deregMr.unwrap())(coll, mh), 0);
+                            $(collnet!(@sge t, coll, rank, $m, $sge, $sz);)?
                             barrier.wait();
                             assert_eq!((t.closeColl.unwrap())(coll), 0);
                             collnet!(@fin t, ctx, $init);
@@ -105,15 +107,101 @@ fn collnet_tables_drive_a_group_of_two() {
         }};
         (@listen $f:ident, $ctx:ident, $h:ident, $l:ident, dev) => { $f(0, $h.as_mut_ptr().cast(), &mut $l) };
         (@listen $f:ident, $ctx:ident, $h:ident, $l:ident, ctx) => { $f($ctx, 0, $h.as_mut_ptr().cast(), &mut $l) };
+        // v8+: all-gather of 16 bytes per rank and an fp32 sum reduce-scatter,
+        // whole window, one part each, as NCCL passes them.
+        (@sge $t:ident, $coll:ident, $rank:ident, $m:ident, $sge:ident, $sz:ty) => {{
+            let mut mine = [$rank as u8; 16];
+            let mut all = [9u8; 32];
+            let (mut smh, mut rmh, mut req) = (null(), null(), null());
+            assert_eq!(($t.regMr.unwrap())($coll, mine.as_mut_ptr().cast(), 16, 1, &mut smh), 0);
+            assert_eq!(($t.regMr.unwrap())($coll, all.as_mut_ptr().cast(), 32, 1, &mut rmh), 0);
+            let mut part = g::$m::$sge { mhandle: rmh, address: all.as_mut_ptr().cast(), size: 32 as $sz };
+            let r = ($t.iallgather.unwrap())($coll, mine.as_mut_ptr().cast(), 1, &mut part, 16, 0, 32, smh, &mut req);
+            assert_eq!(r, 0, "iallgather");
+            let (mut done, mut size) = (0, 0);
+            weft_tests::poll_until("the all-gather", || {
+                assert_eq!(($t.test.unwrap())(req, &mut done, &mut size), 0);
+                (done == 1).then_some(())
+            });
+            let mut want = [0u8; 32];
+            want[16..].fill(1);
+            assert_eq!(all, want, "all-gather");
+            let mut send = [($rank + 1) as f32; 8];
+            let mut out = [0f32; 4];
+            let (mut s2, mut o2) = (null(), null());
+            assert_eq!(($t.regMr.unwrap())($coll, send.as_mut_ptr().cast(), 32, 1, &mut s2), 0);
+            assert_eq!(($t.regMr.unwrap())($coll, out.as_mut_ptr().cast(), 16, 1, &mut o2), 0);
+            let mut part = g::$m::$sge { mhandle: s2, address: send.as_mut_ptr().cast(), size: 32 as $sz };
+            let r = ($t.ireducescatter.unwrap())($coll, 1, &mut part, out.as_mut_ptr().cast(), 16, 0, 32, 7, 0, o2, &mut req);
+            assert_eq!(r, 0, "ireducescatter");
+            weft_tests::poll_until("the reduce-scatter", || {
+                assert_eq!(($t.test.unwrap())(req, &mut done, &mut size), 0);
+                (done == 1).then_some(())
+            });
+            assert_eq!(out, [3.0f32; 4], "reduce-scatter");
+            for h in [smh, rmh, s2, o2] {
+                assert_eq!(($t.deregMr.unwrap())($coll, h), 0);
+            }
+        }};
         (@fin $t:ident, $ctx:ident, log) => { let _ = $ctx; };
         (@fin $t:ident, $ctx:ident, ctx) => { assert_eq!(($t.finalize.unwrap())($ctx), 0) };
     }
     collnet!(collnet_v5, ncclCollNet_v5_t, 5, log, dev, i32, i32);
     collnet!(collnet_v6, ncclCollNet_v6_t, 6, log, dev, i32, i32);
     collnet!(collnet_v7, ncclCollNet_v7_t, 7, log, dev, i32, i32);
-    collnet!(collnet_v8, ncclCollNet_v8_t, 8, log, dev, usize, i32);
-    collnet!(collnet_v9, ncclCollNet_v9_t, 9, log, dev, usize, usize);
-    collnet!(collnet_v10, ncclCollNet_v10_t, 10, log, dev, usize, usize);
-    collnet!(collnet_v11, ncclCollNet_v11_t, 11, ctx, ctx, usize, usize);
-    collnet!(collnet_v12, ncclCollNet_v12_t, 12, ctx, ctx, usize, usize);
+    collnet!(
+        collnet_v8,
+        ncclCollNet_v8_t,
+        8,
+        log,
+        dev,
+        usize,
+        i32,
+        ncclNetSGE_v8_t,
+        u32
+    );
+    collnet!(
+        collnet_v9,
+        ncclCollNet_v9_t,
+        9,
+        log,
+        dev,
+        usize,
+        usize,
+        ncclNetSGE_v9_t,
+        usize
+    );
+    collnet!(
+        collnet_v10,
+        ncclCollNet_v10_t,
+        10,
+        log,
+        dev,
+        usize,
+        usize,
+        ncclNetSGE_v10_t,
+        usize
+    );
+    collnet!(
+        collnet_v11,
+        ncclCollNet_v11_t,
+        11,
+        ctx,
+        ctx,
+        usize,
+        usize,
+        ncclNetSGE_v11_t,
+        usize
+    );
+    collnet!(
+        collnet_v12,
+        ncclCollNet_v12_t,
+        12,
+        ctx,
+        ctx,
+        usize,
+        usize,
+        ncclNetSGE_v12_t,
+        usize
+    );
 }
