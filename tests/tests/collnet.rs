@@ -527,3 +527,118 @@ fn tcp_gather_and_scatter_two_ranks() {
     weft_tests::isolated!();
     gather_and_scatter("tcp", 2);
 }
+
+const PEER: &str = env!("CARGO_BIN_EXE_weft-peer");
+
+/// Rank 0 here, rank 1 in a peer process: the group is built across two
+/// processes (each `connect` blocks until both are in).
+fn two_process_group(provider: &str) -> (weft_tests::peer::Peer, *mut c_void, *mut c_void) {
+    use weft_tests::peer::{hex, unhex, Peer};
+    let mut peer = Peer::spawn(PEER);
+    peer.cmd(&format!("init {provider}"));
+    let ctx = host::init(provider);
+    let h1 = unhex(
+        peer.cmd("coll-listen")
+            .strip_prefix("handle ")
+            .expect("handle"),
+    )
+    .unwrap();
+    let mut h0 = [0u8; HANDLE_SIZE];
+    let l = collnet::listen(ctx, 0, &mut h0).expect("listen");
+    peer.start(&format!("coll-connect 1 {} {}", hex(&h0), hex(&h1)));
+    let g = collnet::connect(&[h0, h1], 0, l).expect("connect across processes");
+    collnet::close_listen(l).unwrap();
+    assert_eq!(peer.reply(), "ok");
+    (peer, ctx, g)
+}
+
+/// The test pattern's all-reduce on rank 0 (the peer runs its half).
+fn start_allreduce(g: *mut c_void, count: usize) -> (Vec<f32>, *mut c_void, *mut c_void) {
+    let mut v: Vec<f32> = (0..count).map(|i| (i % 1000) as f32).collect();
+    let p: *mut c_void = v.as_mut_ptr().cast();
+    let mh = collnet::reg_mr(g, p, count * 4, 1).unwrap();
+    // SAFETY: registered, in place; the caller keeps `v` until done.
+    let q = unsafe { collnet::iallreduce(g, p, p, count, 7, 0, mh, mh) }.unwrap();
+    (v, mh, q)
+}
+
+fn across_processes(provider: &str) {
+    let (mut peer, ctx, g) = two_process_group(provider);
+    let count = 3 * (collnet::CHUNK / 4) + 1;
+    peer.start(&format!("coll-allreduce 1 2 {count}"));
+    let (v, mh, q) = start_allreduce(g, count);
+    weft_tests::poll_until("the all-reduce", || collnet::test(q).unwrap());
+    assert_eq!(peer.reply(), "ok", "{provider}: the peer's result");
+    assert!(
+        v.iter()
+            .enumerate()
+            .all(|(i, &x)| x == (i % 1000) as f32 * 3.0),
+        "{provider}: rank 0's result"
+    );
+    collnet::dereg_mr(mh).unwrap();
+    peer.quit();
+    collnet::close_coll(g).unwrap();
+    core::finalize(ctx).unwrap();
+}
+
+#[test]
+fn tcp_allreduce_across_two_processes() {
+    weft_tests::isolated!();
+    across_processes("tcp");
+}
+
+#[test]
+fn shm_allreduce_across_two_processes() {
+    weft_tests::isolated!();
+    across_processes("shm");
+}
+
+/// A rank killed while an all-reduce waits on it: the other rank's request
+/// fails within the peer timeout, naming the dead peer.
+fn rank_killed(provider: &str) {
+    const T: u64 = 2;
+    std::env::set_var("WEFT_PEER_TIMEOUT", T.to_string());
+    let (peer, ctx, g) = two_process_group(provider);
+    let (_v, mh, q) = start_allreduce(g, 100_000);
+    // The peer is alive and never joins: nothing completes, nothing fails.
+    for _ in 0..1000 {
+        assert!(
+            collnet::test(q).unwrap().is_none(),
+            "{provider}: done without the peer"
+        );
+    }
+    let killed = std::time::Instant::now();
+    peer.kill();
+    let err = weft_tests::poll_until("the all-reduce to fail", || match collnet::test(q) {
+        Ok(None) => None,
+        Ok(Some(_)) => panic!("{provider}: an all-reduce completed with a rank dead"),
+        Err(e) => Some(e),
+    });
+    let took = killed.elapsed();
+    println!("{provider}: all-reduce failed {took:?} after the peer was killed: {err}");
+    assert_eq!(err.code, core::Code::Remote, "{provider}: {err}");
+    assert!(
+        err.msg.contains("rank 1 of 2")
+            && (err.msg.contains("WEFT_PEER_TIMEOUT") || err.msg.contains("broken")),
+        "{provider}: the error names the rank and why: {err}"
+    );
+    assert!(
+        took < std::time::Duration::from_secs(2 * T + 3),
+        "{provider}: took {took:?}"
+    );
+    collnet::dereg_mr(mh).unwrap();
+    collnet::close_coll(g).unwrap();
+    core::finalize(ctx).unwrap();
+}
+
+#[test]
+fn tcp_rank_killed_fails_the_all_reduce() {
+    weft_tests::isolated!();
+    rank_killed("tcp");
+}
+
+#[test]
+fn shm_rank_killed_fails_the_all_reduce() {
+    weft_tests::isolated!();
+    rank_killed("shm");
+}

@@ -415,6 +415,16 @@ enum Kind {
     ReduceScatter,
 }
 
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce => "all-reduce",
+            Kind::AllGather => "all-gather",
+            Kind::ReduceScatter => "reduce-scatter",
+        }
+    }
+}
+
 /// A collective in progress. Shards are byte ranges of the operation's
 /// global buffer; the addresses below say where each lives here.
 #[derive(Debug)]
@@ -589,7 +599,8 @@ impl Coll {
                         p(self.smh),
                         std::ptr::null_mut(),
                     )
-                }?;
+                }
+                .map_err(|e| e.context(format!("rank {j} of {n}")))?;
                 let Some(q) = q else { break };
                 let s = &mut self.p1_send[j];
                 s.inflight.push((s.next, q as usize));
@@ -609,15 +620,21 @@ impl Coll {
                     phandle: std::ptr::null_mut(),
                 };
                 // SAFETY: inside the scratch buffer this request owns, registered.
-                let Some(q) = (unsafe { core::irecv(p(self.g.recv[j]), &[arg]) })? else {
+                let Some(q) = (unsafe { core::irecv(p(self.g.recv[j]), &[arg]) })
+                    .map_err(|e| e.context(format!("rank {j} of {n}")))?
+                else {
                     break;
                 };
                 let s = &mut self.p1_recv[j];
                 s.inflight.push((s.next, q as usize));
                 s.next += 1;
             }
-            self.p1_send[j].test()?;
-            self.p1_recv[j].test()?;
+            self.p1_send[j]
+                .test()
+                .map_err(|e| e.context(format!("rank {j} of {n}")))?;
+            self.p1_recv[j]
+                .test()
+                .map_err(|e| e.context(format!("rank {j} of {n}")))?;
         }
         // Reduce, in order, the chunks of my shard whose contributions are all in.
         if self.kind != Kind::AllGather {
@@ -646,7 +663,8 @@ impl Coll {
                         p(self.p2_src_mh),
                         std::ptr::null_mut(),
                     )
-                }?;
+                }
+                .map_err(|e| e.context(format!("rank {j} of {n}")))?;
                 let Some(q) = q else { break };
                 let s = &mut self.p2_send[j];
                 s.inflight.push((s.next, q as usize));
@@ -667,15 +685,21 @@ impl Coll {
                     phandle: std::ptr::null_mut(),
                 };
                 // SAFETY: inside NCCL's receive buffer, registered with p2_dst_mh.
-                let Some(q) = (unsafe { core::irecv(p(self.g.recv[j]), &[arg]) })? else {
+                let Some(q) = (unsafe { core::irecv(p(self.g.recv[j]), &[arg]) })
+                    .map_err(|e| e.context(format!("rank {j} of {n}")))?
+                else {
                     break;
                 };
                 let s = &mut self.p2_recv[j];
                 s.inflight.push((s.next, q as usize));
                 s.next += 1;
             }
-            self.p2_send[j].test()?;
-            self.p2_recv[j].test()?;
+            self.p2_send[j]
+                .test()
+                .map_err(|e| e.context(format!("rank {j} of {n}")))?;
+            self.p2_recv[j]
+                .test()
+                .map_err(|e| e.context(format!("rank {j} of {n}")))?;
         }
         Ok(self.ready == self.chunks[me].len()
             && (0..n).all(|j| {
@@ -716,6 +740,28 @@ impl Coll {
         unsafe {
             std::ptr::copy_nonoverlapping(acc.as_ptr(), (self.p1_out + rel) as *mut u8, ch.len)
         };
+    }
+}
+
+impl Coll {
+    /// After a failure: waits (up to `WEFT_PEER_TIMEOUT`) until every
+    /// request still in flight is finished or failed, so that no provider
+    /// writes into the scratch buffer after it is freed.
+    fn abandon(&mut self) {
+        let deadline = Instant::now() + core::peer_timeout().unwrap_or(Duration::from_secs(30));
+        for s in self
+            .p1_send
+            .iter_mut()
+            .chain(&mut self.p1_recv)
+            .chain(&mut self.p2_send)
+            .chain(&mut self.p2_recv)
+        {
+            for (_, q) in s.inflight.drain(..) {
+                while matches!(core::test(p(q)), Ok(None)) && Instant::now() < deadline {
+                    std::thread::yield_now();
+                }
+            }
+        }
     }
 }
 
@@ -946,6 +992,7 @@ pub fn test(req: *mut c_void) -> Result<Option<usize>> {
         .get(req)
         .ok_or_else(|| Error::internal(format!("CollNet test: {req:p} is not a live request")))?;
     let mut op = r.lock().unwrap_or_else(|e| e.into_inner());
+    let kind = op.kind;
     match op.step() {
         Ok(false) => Ok(None),
         Ok(true) => {
@@ -955,9 +1002,10 @@ pub fn test(req: *mut c_void) -> Result<Option<usize>> {
             Ok(Some(bytes))
         }
         Err(e) => {
+            op.abandon();
             drop(op);
             REQS.remove(req);
-            Err(e.context("CollNet all-reduce"))
+            Err(e.context(format!("CollNet {}", kind.name())))
         }
     }
 }

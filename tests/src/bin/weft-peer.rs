@@ -34,6 +34,45 @@ struct Peer {
     listen: *mut c_void,
     send: *mut c_void,
     recv: *mut c_void,
+    /// CollNet: the listener, then the group.
+    coll_listen: *mut c_void,
+    coll: *mut c_void,
+}
+
+/// This rank's share of a CollNet test all-reduce: element `i` of rank `r`
+/// is `(r + 1) * (i % 1000)`, so the sum over `n` ranks is exact in f32.
+pub fn coll_data(rank: usize, count: usize) -> Vec<f32> {
+    (0..count)
+        .map(|i| ((rank + 1) * (i % 1000)) as f32)
+        .collect()
+}
+
+/// An in-place f32 sum all-reduce of [`coll_data`] on `g`, checked.
+fn coll_allreduce(g: *mut c_void, rank: usize, n: usize, count: usize) -> Result<(), String> {
+    use weft::collnet;
+    let mut v = coll_data(rank, count);
+    let p: *mut c_void = v.as_mut_ptr().cast();
+    let mh = collnet::reg_mr(g, p, count * 4, 1).map_err(|e| e.to_string())?;
+    // SAFETY: registered, in place, outlives the request.
+    let q =
+        unsafe { collnet::iallreduce(g, p, p, count, 7, 0, mh, mh) }.map_err(|e| e.to_string())?;
+    loop {
+        match collnet::test(q) {
+            Ok(Some(_)) => break,
+            Ok(None) => std::thread::yield_now(),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    collnet::dereg_mr(mh).map_err(|e| e.to_string())?;
+    let tri = (n * (n + 1) / 2) as f32;
+    match v
+        .iter()
+        .enumerate()
+        .find(|&(i, &x)| x != (i % 1000) as f32 * tri)
+    {
+        Some((i, x)) => Err(format!("all-reduce element {i} is {x}")),
+        None => Ok(()),
+    }
 }
 
 /// Sends `count` messages, keeping up to WINDOW in flight.
@@ -204,6 +243,34 @@ impl Peer {
                 std::mem::forget(b);
                 "ok".into()
             }
+            Some("coll-listen") => {
+                let mut h = [0u8; 128];
+                self.coll_listen =
+                    weft::collnet::listen(self.ctx, 0, &mut h).map_err(|e| e.to_string())?;
+                format!("handle {}", hex(&h))
+            }
+            // coll-connect RANK HANDLE...: builds the group (blocks).
+            Some("coll-connect") => {
+                let rank = num(1)? as usize;
+                let hs = w[2..]
+                    .iter()
+                    .map(|h| unhex(h))
+                    .collect::<Result<Vec<_>, _>>()?;
+                self.coll = weft::collnet::connect(&hs, rank, self.coll_listen)
+                    .map_err(|e| e.to_string())?;
+                weft::collnet::close_listen(self.coll_listen).map_err(|e| e.to_string())?;
+                "ok".into()
+            }
+            // coll-allreduce RANK NRANKS COUNT: runs one and checks it.
+            Some("coll-allreduce") => {
+                coll_allreduce(
+                    self.coll,
+                    num(1)? as usize,
+                    num(2)? as usize,
+                    num(3)? as usize,
+                )?;
+                "ok".into()
+            }
             Some("rss") => format!("rss {}", weft_tests::status_kb("VmRSS")),
             Some("quit") => return Ok(None),
             other => return Err(format!("unknown command {other:?}")),
@@ -219,6 +286,8 @@ fn main() {
         listen: std::ptr::null_mut(),
         send: std::ptr::null_mut(),
         recv: std::ptr::null_mut(),
+        coll_listen: std::ptr::null_mut(),
+        coll: std::ptr::null_mut(),
     };
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
@@ -244,5 +313,8 @@ fn main() {
     }
     if !peer.recv.is_null() {
         core::close_recv(peer.recv).expect("closeRecv");
+    }
+    if !peer.coll.is_null() {
+        weft::collnet::close_coll(peer.coll).expect("closeColl");
     }
 }
