@@ -183,3 +183,34 @@ fn resource_curve_prints_its_table() {
         "{stdout}"
     );
 }
+
+/// The CollNet bench runs both algorithms and prints time, bandwidth and
+/// the bytes each rank moved; it asserts no figure.
+#[test]
+fn collnet_bench_prints_its_table() {
+    let o = Command::new(env!("CARGO_BIN_EXE_weft-collbench"))
+        .args(["--quick", "--providers", "shm", "--reps", "1"])
+        .output()
+        .expect("run weft-collbench");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "weft-collbench failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    println!("{stdout}");
+    for what in [
+        "collnet us",
+        "ring us",
+        "busbw",
+        "collnet sent/recv",
+        "ring sent/recv",
+    ] {
+        assert!(stdout.contains(what), "the table lacks {what:?}:\n{stdout}");
+    }
+    let rows = stdout
+        .lines()
+        .filter(|l| l.trim_start().starts_with("65536") || l.trim_start().starts_with("1048576"))
+        .count();
+    assert_eq!(rows, 2, "{stdout}");
+}

@@ -31,6 +31,7 @@
 pub mod reduce;
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
@@ -66,6 +67,9 @@ pub struct CollComm {
     recv: Vec<usize>,
     /// Operations issued so far (the next one's sequence number).
     seq: Mutex<u32>,
+    /// Payload bytes this rank sent and received in collectives.
+    sent: AtomicU64,
+    received: AtomicU64,
 }
 
 /// A CollNet memory handle: the core's registration, where the group has
@@ -173,6 +177,8 @@ pub fn connect(
             send,
             recv,
             seq: Mutex::new(0),
+            sent: AtomicU64::new(0),
+            received: AtomicU64::new(0),
         }))),
         Err(e) => {
             for s in send.into_iter().filter(|&s| s != 0) {
@@ -388,13 +394,15 @@ impl Stream {
     fn finished(&self) -> bool {
         self.done.iter().all(|&d| d)
     }
-    /// Tests what is in flight; marks what completed.
-    fn test(&mut self) -> Result<()> {
+    /// Tests what is in flight; marks what completed and adds its bytes
+    /// (`chunks` are the stream's) to `count`.
+    fn test(&mut self, chunks: &[Chunk], count: &AtomicU64) -> Result<()> {
         let mut i = 0;
         while i < self.inflight.len() {
             let (c, q) = self.inflight[i];
             if core::test(p(q))?.is_some() {
                 self.done[c] = true;
+                count.fetch_add(chunks[c].len as u64, Ordering::Relaxed);
                 self.inflight.swap_remove(i);
             } else {
                 i += 1;
@@ -630,10 +638,10 @@ impl Coll {
                 s.next += 1;
             }
             self.p1_send[j]
-                .test()
+                .test(&self.chunks[j], &self.g.sent)
                 .map_err(|e| e.context(format!("rank {j} of {n}")))?;
             self.p1_recv[j]
-                .test()
+                .test(&self.chunks[me], &self.g.received)
                 .map_err(|e| e.context(format!("rank {j} of {n}")))?;
         }
         // Reduce, in order, the chunks of my shard whose contributions are all in.
@@ -695,10 +703,10 @@ impl Coll {
                 s.next += 1;
             }
             self.p2_send[j]
-                .test()
+                .test(&self.chunks[me], &self.g.sent)
                 .map_err(|e| e.context(format!("rank {j} of {n}")))?;
             self.p2_recv[j]
-                .test()
+                .test(&self.chunks[j], &self.g.received)
                 .map_err(|e| e.context(format!("rank {j} of {n}")))?;
         }
         Ok(self.ready == self.chunks[me].len()
@@ -1008,6 +1016,16 @@ pub fn test(req: *mut c_void) -> Result<Option<usize>> {
             Err(e.context(format!("CollNet {}", kind.name())))
         }
     }
+}
+
+/// Payload bytes group `c`'s rank sent and received in collectives so far
+/// (what a bench prints per worker).
+pub fn bytes_moved(c: *mut c_void) -> Result<(u64, u64)> {
+    let g = comm(c, "bytes")?;
+    Ok((
+        g.sent.load(Ordering::Relaxed),
+        g.received.load(Ordering::Relaxed),
+    ))
 }
 
 /// The group's device (its properties are the net device's).

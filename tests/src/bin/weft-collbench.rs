@@ -1,0 +1,337 @@
+//! CollNet all-reduce against a ring all-reduce over the net comms, in one
+//! run, same ranks, same buffers.
+//!
+//! ```text
+//! weft-collbench [--providers shm,tcp] [--ranks 2] [--sizes 65536,1048576,16777216]
+//!                [--reps 5] [--quick]
+//! ```
+//!
+//! Each provider runs in a process of its own (a process fixes its
+//! provider at its first init); the ranks are threads of that process,
+//! each with its own context. For every size (bytes of fp32, sum) both
+//! algorithms run `--reps` times, alternating; the table gives rank 0's
+//! median time, algorithm bandwidth (size / time) and bus bandwidth
+//! (algbw x 2(n-1)/n, NCCL's convention), and the payload bytes rank 0
+//! sent and received per operation, counted by each implementation.
+
+use std::ffi::c_void;
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use weft::collnet::{self, reduce};
+use weft::core::{self, RecvArg};
+use weft::proto::wire::HANDLE_SIZE;
+use weft_tests::host;
+
+type Res<T> = Result<T, String>;
+
+fn p(v: usize) -> *mut c_void {
+    v as *mut c_void
+}
+
+/// A ring over the net comms: a send comm to the next rank, a receive comm
+/// from the previous one.
+struct Ring {
+    rank: usize,
+    n: usize,
+    send: usize,
+    recv: usize,
+}
+
+impl Ring {
+    /// One ring all-reduce (fp32 sum) of `buf` (registered as `mh`), with
+    /// `tmp` (registered as `tmh`) for the incoming segment; returns the
+    /// payload bytes (sent, received).
+    fn allreduce(&self, buf: &mut [f32], mh: usize, tmp: &mut [u8], tmh: usize) -> Res<(u64, u64)> {
+        let (n, r) = (self.n, self.rank);
+        let count = buf.len();
+        let seg = |k: usize| (count * k / n * 4, count * (k + 1) / n * 4);
+        let base = buf.as_mut_ptr() as usize;
+        let (mut sent, mut got) = (0u64, 0u64);
+        let mut step = |s: usize, send_seg: usize, recv_seg: usize, into_tmp: bool| -> Res<()> {
+            let (sa, sb) = seg(send_seg);
+            let (ra, rb) = seg(recv_seg);
+            let tag = s as i32;
+            let dst = if into_tmp {
+                tmp.as_mut_ptr() as usize
+            } else {
+                base + ra
+            };
+            let arg = RecvArg {
+                data: p(dst),
+                size: rb - ra,
+                tag,
+                mhandle: p(if into_tmp { tmh } else { mh }),
+                phandle: std::ptr::null_mut(),
+            };
+            // As NCCL's proxy does: post both, and keep testing the receive
+            // while the send waits for the receiver's offer (NULL request).
+            let (mut rq, mut sq) = (None, None);
+            let (mut rdone, mut sdone) = (false, false);
+            let start = Instant::now();
+            while !(rdone && sdone) {
+                if rq.is_none() {
+                    // SAFETY: registered buffers that outlive the request.
+                    rq = unsafe { core::irecv(p(self.recv), &[arg]) }.map_err(|e| e.to_string())?;
+                }
+                if sq.is_none() {
+                    // SAFETY: as above.
+                    sq = unsafe {
+                        core::isend(
+                            p(self.send),
+                            p(base + sa),
+                            sb - sa,
+                            tag,
+                            p(mh),
+                            std::ptr::null_mut(),
+                        )
+                    }
+                    .map_err(|e| e.to_string())?;
+                }
+                if let (Some(q), false) = (rq, rdone) {
+                    rdone = core::test(q).map_err(|e| e.to_string())?.is_some();
+                }
+                if let (Some(q), false) = (sq, sdone) {
+                    sdone = core::test(q).map_err(|e| e.to_string())?.is_some();
+                }
+                if start.elapsed() > Duration::from_secs(120) {
+                    return Err("a ring step did not finish in 120 s".into());
+                }
+            }
+            sent += (sb - sa) as u64;
+            got += (rb - ra) as u64;
+            if into_tmp {
+                // SAFETY: the segment lies inside `buf`.
+                let acc =
+                    unsafe { std::slice::from_raw_parts_mut((base + ra) as *mut u8, rb - ra) };
+                reduce::reduce(
+                    reduce::DataType::F32,
+                    reduce::RedOp::Sum,
+                    acc,
+                    &tmp[..rb - ra],
+                );
+            }
+            Ok(())
+        };
+        for s in 0..n - 1 {
+            step(s, (r + n - s) % n, (r + 2 * n - s - 1) % n, true)?;
+        }
+        for s in 0..n - 1 {
+            step(n + s, (r + 1 + n - s) % n, (r + n - s) % n, false)?;
+        }
+        Ok((sent, got))
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// One provider: `n` ranks as threads.
+fn one(provider: &'static str, n: usize, sizes: Vec<usize>, reps: usize) -> Res<()> {
+    let coll_h = Arc::new(Mutex::new(vec![[0u8; HANDLE_SIZE]; n]));
+    let ring_h = Arc::new(Mutex::new(vec![[0u8; HANDLE_SIZE]; n]));
+    let barrier = Arc::new(Barrier::new(n));
+    let rows = Arc::new(Mutex::new(Vec::new()));
+    let threads: Vec<_> = (0..n)
+        .map(|rank| {
+            let (coll_h, ring_h, barrier, rows, sizes) = (
+                Arc::clone(&coll_h),
+                Arc::clone(&ring_h),
+                Arc::clone(&barrier),
+                Arc::clone(&rows),
+                sizes.clone(),
+            );
+            std::thread::spawn(move || -> Res<()> {
+                let e = |e: weft::error::Error| e.to_string();
+                let ctx = host::init(provider);
+                let mut h = [0u8; HANDLE_SIZE];
+                let cl = collnet::listen(ctx, 0, &mut h).map_err(e)?;
+                coll_h.lock().unwrap()[rank] = h;
+                let (rh, rl) = host::listen(ctx);
+                ring_h.lock().unwrap()[rank] = rh;
+                barrier.wait();
+                let hs = coll_h.lock().unwrap().clone();
+                let mut next = ring_h.lock().unwrap()[(rank + 1) % n];
+                let g = collnet::connect(&hs, rank, cl).map_err(e)?;
+                collnet::close_listen(cl).map_err(e)?;
+                // The ring: connect to the next rank while accepting from the previous.
+                let (mut s, mut r) = (None, None);
+                while s.is_none() || r.is_none() {
+                    if s.is_none() {
+                        s = core::connect(ctx, 0, None, &mut next).map_err(e)?;
+                    }
+                    if r.is_none() {
+                        r = core::accept(rl).map_err(e)?;
+                    }
+                }
+                core::close_listen(rl).map_err(e)?;
+                let ring = Ring {
+                    rank,
+                    n,
+                    send: s.unwrap() as usize,
+                    recv: r.unwrap() as usize,
+                };
+                for &size in &sizes {
+                    let count = size / 4;
+                    let mut buf: Vec<f32> = (0..count).map(|i| (i % 100) as f32).collect();
+                    let mut tmp = vec![0u8; size / n + 8];
+                    let cmh = collnet::reg_mr(g, buf.as_mut_ptr().cast(), size, 1).map_err(e)?;
+                    let rmh = core::reg_mr(p(ring.send), buf.as_mut_ptr().cast(), size, 1)
+                        .map_err(e)? as usize;
+                    let tmh = core::reg_mr(p(ring.send), tmp.as_mut_ptr().cast(), tmp.len(), 1)
+                        .map_err(e)? as usize;
+                    let (mut tc, mut tr) = (Vec::new(), Vec::new());
+                    let (mut cbytes, mut rbytes) = ((0, 0), (0, 0));
+                    for rep in 0..reps {
+                        for which in if rep % 2 == 0 { [0, 1] } else { [1, 0] } {
+                            barrier.wait();
+                            let t0 = Instant::now();
+                            if which == 0 {
+                                let before = collnet::bytes_moved(g).map_err(e)?;
+                                let ptr: *mut c_void = buf.as_mut_ptr().cast();
+                                // SAFETY: registered, in place, outlives the request.
+                                let q = unsafe {
+                                    collnet::iallreduce(g, ptr, ptr, count, 7, 0, cmh, cmh)
+                                }
+                                .map_err(e)?;
+                                while collnet::test(q).map_err(e)?.is_none() {}
+                                tc.push(t0.elapsed().as_secs_f64());
+                                let after = collnet::bytes_moved(g).map_err(e)?;
+                                cbytes = (after.0 - before.0, after.1 - before.1);
+                            } else {
+                                rbytes = ring.allreduce(&mut buf, rmh, &mut tmp, tmh)?;
+                                tr.push(t0.elapsed().as_secs_f64());
+                            }
+                        }
+                    }
+                    barrier.wait();
+                    collnet::dereg_mr(cmh).map_err(e)?;
+                    core::dereg_mr(std::ptr::null_mut(), p(rmh)).map_err(e)?;
+                    core::dereg_mr(std::ptr::null_mut(), p(tmh)).map_err(e)?;
+                    if rank == 0 {
+                        rows.lock().unwrap().push((
+                            size,
+                            median(&mut tc),
+                            median(&mut tr),
+                            cbytes,
+                            rbytes,
+                        ));
+                    }
+                }
+                barrier.wait();
+                collnet::close_coll(g).map_err(e)?;
+                core::close_send(p(ring.send)).map_err(e)?;
+                core::close_recv(p(ring.recv)).map_err(e)?;
+                core::finalize(ctx).map_err(e)?;
+                Ok(())
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().map_err(|_| "a rank panicked")??;
+    }
+    let bus = 2.0 * (n - 1) as f64 / n as f64;
+    println!("\n{provider}, {n} ranks (threads), fp32 sum, median of {reps}, rank 0:");
+    println!(
+        "{:>10} {:>11} {:>9} {:>9} {:>11} {:>9} {:>9} {:>8}  {:>21} {:>21}",
+        "bytes",
+        "collnet us",
+        "algbw",
+        "busbw",
+        "ring us",
+        "algbw",
+        "busbw",
+        "coll/ring",
+        "collnet sent/recv",
+        "ring sent/recv"
+    );
+    for (size, c, r, cb, rb) in rows.lock().unwrap().iter() {
+        let gb = |t: f64| *size as f64 / t / 1e9;
+        println!(
+            "{:>10} {:>11.1} {:>9.3} {:>9.3} {:>11.1} {:>9.3} {:>9.3} {:>8.3}  {:>10}/{:<10} {:>10}/{:<10}",
+            size,
+            c * 1e6,
+            gb(*c),
+            gb(*c) * bus,
+            r * 1e6,
+            gb(*r),
+            gb(*r) * bus,
+            r / c,
+            cb.0,
+            cb.1,
+            rb.0,
+            rb.1
+        );
+    }
+    println!(
+        "(algbw and busbw in GB/s; busbw = algbw x 2(n-1)/n; bytes are payload per operation)"
+    );
+    Ok(())
+}
+
+fn main() {
+    let mut providers = vec!["shm".to_owned(), "tcp".to_owned()];
+    let mut ranks = 2usize;
+    let mut sizes = vec![65536usize, 1 << 20, 16 << 20];
+    let mut reps = 5usize;
+    let mut single: Option<String> = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = || args.next().unwrap_or_default();
+        match a.as_str() {
+            "--providers" => providers = val().split(',').map(str::to_owned).collect(),
+            "--ranks" => ranks = val().parse().expect("--ranks N"),
+            "--sizes" => {
+                sizes = val()
+                    .split(',')
+                    .map(|s| s.parse().expect("--sizes bytes,..."))
+                    .collect()
+            }
+            "--reps" => reps = val().parse().expect("--reps N"),
+            "--quick" => {
+                sizes = vec![65536, 1 << 20];
+                reps = 3;
+            }
+            "--one" => single = Some(val()),
+            _ => {
+                println!("usage: weft-collbench [--providers shm,tcp] [--ranks 2] [--sizes 65536,...] [--reps 5] [--quick]");
+                return;
+            }
+        }
+    }
+    if let Some(prov) = single {
+        let prov: &'static str = Box::leak(prov.into_boxed_str());
+        if let Err(e) = one(prov, ranks, sizes, reps) {
+            eprintln!("weft-collbench: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    let exe = std::env::current_exe().expect("own path");
+    let sizes_arg = sizes
+        .iter()
+        .map(|s| s.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    for prov in providers {
+        let ok = std::process::Command::new(&exe)
+            .args([
+                "--one",
+                &prov,
+                "--ranks",
+                &ranks.to_string(),
+                "--sizes",
+                &sizes_arg,
+                "--reps",
+                &reps.to_string(),
+            ])
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("weft-collbench: {prov} failed");
+            std::process::exit(1);
+        }
+    }
+}
