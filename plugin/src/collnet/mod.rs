@@ -412,6 +412,61 @@ impl Stream {
     }
 }
 
+/// Posts stream `s`'s next chunks, in order, while its window has room
+/// and `may(chunk)` allows; `post` returns the request, or `None` when the
+/// comm cannot take it now.
+fn pump(
+    s: &mut Stream,
+    may: impl Fn(usize) -> bool,
+    mut post: impl FnMut(usize) -> Result<Option<*mut c_void>>,
+) -> Result<()> {
+    while s.inflight.len() < WINDOW && s.next < s.done.len() && may(s.next) {
+        let Some(q) = post(s.next)? else { break };
+        s.inflight.push((s.next, q as usize));
+        s.next += 1;
+    }
+    Ok(())
+}
+
+/// Sends `len` bytes at `addr` (registered with `mh`) to rank `j`.
+///
+/// # Safety
+/// The range is registered with `mh` and stays valid until the request is done.
+unsafe fn send(
+    g: &CollComm,
+    j: usize,
+    addr: usize,
+    len: usize,
+    tag: i32,
+    mh: usize,
+) -> Result<Option<*mut c_void>> {
+    // SAFETY: the caller's contract.
+    unsafe { core::isend(p(g.send[j]), p(addr), len, tag, p(mh), std::ptr::null_mut()) }
+}
+
+/// Receives `len` bytes from rank `j` into `addr` (registered with `mh`).
+///
+/// # Safety
+/// As for [`send`], and the range is writable.
+unsafe fn recv(
+    g: &CollComm,
+    j: usize,
+    addr: usize,
+    len: usize,
+    tag: i32,
+    mh: usize,
+) -> Result<Option<*mut c_void>> {
+    let arg = RecvArg {
+        data: p(addr),
+        size: len,
+        tag,
+        mhandle: p(mh),
+        phandle: std::ptr::null_mut(),
+    };
+    // SAFETY: the caller's contract.
+    unsafe { core::irecv(p(g.recv[j]), &[arg]) }
+}
+
 /// What a collective does with the two phases (see the module's "All-reduce").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -590,59 +645,36 @@ impl Coll {
             }
             return Ok(true);
         }
+        let scratch = self.scratch.as_mut_ptr() as usize;
         for j in (0..n).filter(|&j| j != me) {
-            // Phase 1 send: shard j of my input to rank j.
-            while self.p1_send[j].inflight.len() < WINDOW
-                && self.p1_send[j].next < self.p1_send[j].done.len()
-            {
-                let c = self.chunks[j][self.p1_send[j].next];
-                let src = p(self.p1_src[j] + (c.off - self.shards[j].0));
-                // SAFETY: inside NCCL's send buffer, registered with smh.
-                let q = unsafe {
-                    core::isend(
-                        p(self.g.send[j]),
-                        src,
-                        c.len,
-                        self.tag[0],
-                        p(self.smh),
-                        std::ptr::null_mut(),
-                    )
-                }
-                .map_err(|e| e.context(format!("rank {j} of {n}")))?;
-                let Some(q) = q else { break };
-                let s = &mut self.p1_send[j];
-                s.inflight.push((s.next, q as usize));
-                s.next += 1;
-            }
-            // Phase 1 receive: rank j's copy of my shard, into its scratch slot.
-            while self.p1_recv[j].inflight.len() < WINDOW
-                && self.p1_recv[j].next < self.p1_recv[j].done.len()
-            {
-                let c = self.chunks[me][self.p1_recv[j].next];
-                let at = j * (self.shards[me].1 - my0) + (c.off - my0);
-                let arg = RecvArg {
-                    data: self.scratch.as_mut_ptr().wrapping_add(at).cast(),
-                    size: c.len,
-                    tag: self.tag[0],
-                    mhandle: p(self.scratch_mh),
-                    phandle: std::ptr::null_mut(),
-                };
-                // SAFETY: inside the scratch buffer this request owns, registered.
-                let Some(q) = (unsafe { core::irecv(p(self.g.recv[j]), &[arg]) })
-                    .map_err(|e| e.context(format!("rank {j} of {n}")))?
-                else {
-                    break;
-                };
-                let s = &mut self.p1_recv[j];
-                s.inflight.push((s.next, q as usize));
-                s.next += 1;
-            }
-            self.p1_send[j]
-                .test(&self.chunks[j], &self.g.sent)
-                .map_err(|e| e.context(format!("rank {j} of {n}")))?;
-            self.p1_recv[j]
-                .test(&self.chunks[me], &self.g.received)
-                .map_err(|e| e.context(format!("rank {j} of {n}")))?;
+            let at = |e: Error| e.context(format!("rank {j} of {n}"));
+            let (g, t, ch) = (&self.g, self.tag, &self.chunks);
+            // Phase 1: shard j of my input to rank j; rank j's copy of my
+            // shard into its scratch slot.
+            let (sj, src) = (self.shards[j].0, self.p1_src[j]);
+            pump(
+                &mut self.p1_send[j],
+                |_| true,
+                |k| {
+                    let c = ch[j][k];
+                    // SAFETY: chunk k of shard j of NCCL's input, registered with smh.
+                    unsafe { send(g, j, src + (c.off - sj), c.len, t[0], self.smh) }
+                },
+            )
+            .map_err(at)?;
+            let slot = scratch + j * (self.shards[me].1 - my0);
+            pump(
+                &mut self.p1_recv[j],
+                |_| true,
+                |k| {
+                    let c = ch[me][k];
+                    // SAFETY: rank j's slot of this request's registered scratch.
+                    unsafe { recv(g, j, slot + (c.off - my0), c.len, t[0], self.scratch_mh) }
+                },
+            )
+            .map_err(at)?;
+            self.p1_send[j].test(&ch[j], &g.sent).map_err(at)?;
+            self.p1_recv[j].test(&ch[me], &g.received).map_err(at)?;
         }
         // Reduce, in order, the chunks of my shard whose contributions are all in.
         if self.kind != Kind::AllGather {
@@ -654,60 +686,44 @@ impl Coll {
             }
         }
         for j in (0..n).filter(|&j| j != me) {
-            // Phase 2 send: my ready chunks to rank j.
-            while self.p2_send[j].inflight.len() < WINDOW
-                && self.p2_send[j].next < self.p2_send[j].done.len()
-                && self.p2_send[j].next < self.ready
-            {
-                let c = self.chunks[me][self.p2_send[j].next];
-                let src = p(self.p2_src + (c.off - my0));
-                // SAFETY: inside NCCL's buffer, registered with p2_src_mh.
-                let q = unsafe {
-                    core::isend(
-                        p(self.g.send[j]),
-                        src,
-                        c.len,
-                        self.tag[1],
-                        p(self.p2_src_mh),
-                        std::ptr::null_mut(),
-                    )
-                }
-                .map_err(|e| e.context(format!("rank {j} of {n}")))?;
-                let Some(q) = q else { break };
-                let s = &mut self.p2_send[j];
-                s.inflight.push((s.next, q as usize));
-                s.next += 1;
-            }
-            // Phase 2 receive: rank j's chunk; in place, only once my
-            // phase-1 send of the same bytes is done.
-            while self.p2_recv[j].inflight.len() < WINDOW
-                && self.p2_recv[j].next < self.p2_recv[j].done.len()
-                && (!self.hazard || self.p1_send[j].done[self.p2_recv[j].next])
-            {
-                let c = self.chunks[j][self.p2_recv[j].next];
-                let arg = RecvArg {
-                    data: p(self.p2_dst[j] + (c.off - self.shards[j].0)),
-                    size: c.len,
-                    tag: self.tag[1],
-                    mhandle: p(self.p2_dst_mh),
-                    phandle: std::ptr::null_mut(),
-                };
-                // SAFETY: inside NCCL's receive buffer, registered with p2_dst_mh.
-                let Some(q) = (unsafe { core::irecv(p(self.g.recv[j]), &[arg]) })
-                    .map_err(|e| e.context(format!("rank {j} of {n}")))?
-                else {
-                    break;
-                };
-                let s = &mut self.p2_recv[j];
-                s.inflight.push((s.next, q as usize));
-                s.next += 1;
-            }
-            self.p2_send[j]
-                .test(&self.chunks[me], &self.g.sent)
-                .map_err(|e| e.context(format!("rank {j} of {n}")))?;
-            self.p2_recv[j]
-                .test(&self.chunks[j], &self.g.received)
-                .map_err(|e| e.context(format!("rank {j} of {n}")))?;
+            let at = |e: Error| e.context(format!("rank {j} of {n}"));
+            let (g, t, ch) = (&self.g, self.tag, &self.chunks);
+            // Phase 2: my ready chunks to rank j; rank j's chunks into their
+            // place, in place only once my phase-1 send of those bytes is done.
+            let ready = self.ready;
+            pump(
+                &mut self.p2_send[j],
+                |k| k < ready,
+                |k| {
+                    let c = ch[me][k];
+                    // SAFETY: chunk k of my part of NCCL's buffer, registered.
+                    unsafe {
+                        send(
+                            g,
+                            j,
+                            self.p2_src + (c.off - my0),
+                            c.len,
+                            t[1],
+                            self.p2_src_mh,
+                        )
+                    }
+                },
+            )
+            .map_err(at)?;
+            let (sj, dst, sent) = (self.shards[j].0, self.p2_dst[j], &self.p1_send[j]);
+            let hazard = self.hazard;
+            pump(
+                &mut self.p2_recv[j],
+                |k| !hazard || sent.done[k],
+                |k| {
+                    let c = ch[j][k];
+                    // SAFETY: chunk k of shard j's place in NCCL's output, registered.
+                    unsafe { recv(g, j, dst + (c.off - sj), c.len, t[1], self.p2_dst_mh) }
+                },
+            )
+            .map_err(at)?;
+            self.p2_send[j].test(&ch[me], &g.sent).map_err(at)?;
+            self.p2_recv[j].test(&ch[j], &g.received).map_err(at)?;
         }
         Ok(self.ready == self.chunks[me].len()
             && (0..n).all(|j| {
