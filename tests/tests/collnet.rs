@@ -642,3 +642,38 @@ fn shm_rank_killed_fails_the_all_reduce() {
     weft_tests::isolated!();
     rank_killed("shm");
 }
+
+/// A group of four ranks (threads) on shm: every op on int32 and bf16, and
+/// an all-gather and reduce-scatter window, against the reference.
+#[test]
+fn shm_four_ranks() {
+    weft_tests::isolated!();
+    let results = group("shm", 4, |rank, g| {
+        let mut out = Vec::new();
+        for ty in [DataType::I32, DataType::Bf16] {
+            for op in RedOp::ALL {
+                let data = input(ty, 1001, (rank * 31 + ty as usize * 7 + op as usize) as u64);
+                out.push(allreduce(g, ty, op, &data, rank % 2 == 0));
+            }
+        }
+        out
+    });
+    let mut i = 0;
+    for ty in [DataType::I32, DataType::Bf16] {
+        for op in RedOp::ALL {
+            let mut want = input(ty, 1001, (ty as usize * 7 + op as usize) as u64);
+            for rank in 1..4 {
+                want = reference(
+                    ty,
+                    op,
+                    &want,
+                    &input(ty, 1001, (rank * 31 + ty as usize * 7 + op as usize) as u64),
+                );
+            }
+            for (rank, r) in results.iter().enumerate() {
+                assert!(r[i] == want, "{ty:?} {op:?}: rank {rank}");
+            }
+            i += 1;
+        }
+    }
+}
