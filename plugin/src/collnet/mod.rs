@@ -70,7 +70,22 @@ pub struct CollComm {
     /// Payload bytes this rank sent and received in collectives.
     sent: AtomicU64,
     received: AtomicU64,
+    /// Registered scratch buffers of finished collectives, for the next
+    /// ones (allocating, zeroing and registering megabytes per operation
+    /// cost more than the transfer).
+    pool: Mutex<Vec<Scratch>>,
 }
+
+/// A registered scratch buffer: the peers' contributions to this rank's
+/// shard, then room for one chunk of reduction.
+#[derive(Debug, Default)]
+struct Scratch {
+    buf: Vec<u8>,
+    mh: usize,
+}
+
+/// Scratch buffers a group keeps between operations.
+const POOL: usize = 4;
 
 /// A CollNet memory handle: the core's registration, where the group has
 /// comms to register through (a group of one has none, and needs none).
@@ -179,6 +194,7 @@ pub fn connect(
             seq: Mutex::new(0),
             sent: AtomicU64::new(0),
             received: AtomicU64::new(0),
+            pool: Mutex::new(Vec::new()),
         }))),
         Err(e) => {
             for s in send.into_iter().filter(|&s| s != 0) {
@@ -300,6 +316,47 @@ impl CollComm {
     fn any(&self) -> Option<usize> {
         self.send.iter().copied().find(|&s| s != 0)
     }
+
+    /// A registered scratch buffer of at least `len` bytes: a kept one, or
+    /// a new one.
+    fn take_scratch(&self, len: usize) -> Result<Scratch> {
+        if len == 0 {
+            return Ok(Scratch::default());
+        }
+        {
+            let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(i) = pool.iter().position(|s| s.buf.len() >= len) {
+                return Ok(pool.swap_remove(i));
+            }
+        }
+        let mut buf = vec![0u8; len];
+        let mh = match self.any() {
+            Some(any) => {
+                core::reg_mr(p(any), buf.as_mut_ptr().cast(), len, props::PTR_HOST)? as usize
+            }
+            None => 0,
+        };
+        Ok(Scratch { buf, mh })
+    }
+
+    /// Keeps `s` for a later operation (the smallest goes when too many are kept).
+    fn give_back(&self, s: Scratch) {
+        if s.buf.is_empty() {
+            return;
+        }
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        pool.push(s);
+        if pool.len() > POOL {
+            let i = (0..pool.len())
+                .min_by_key(|&i| pool[i].buf.len())
+                .expect("not empty");
+            let old = pool.swap_remove(i);
+            drop(pool);
+            if old.mh != 0 {
+                let _ = core::dereg_mr(std::ptr::null_mut(), p(old.mh));
+            }
+        }
+    }
 }
 
 /// `closeColl`: closes the group's comms.
@@ -310,6 +367,11 @@ pub fn close_coll(c: *mut c_void) -> Result<()> {
         ))
     })?;
     let mut first = Ok(());
+    for s in std::mem::take(&mut *g.pool.lock().unwrap_or_else(|e| e.into_inner())) {
+        if s.mh != 0 {
+            first = first.and(core::dereg_mr(std::ptr::null_mut(), p(s.mh)));
+        }
+    }
     for &s in g.send.iter().filter(|&&s| s != 0) {
         first = first.and(core::close_send(p(s)));
     }
@@ -521,9 +583,9 @@ pub struct Coll {
     /// Chunks of my shard ready for phase 2 (reduced, or given).
     ready: usize,
     /// The peers' contributions to my shard, one shard-sized slot per rank.
-    scratch: Vec<u8>,
-    scratch_mh: usize,
-    acc: Vec<u8>,
+    scratch: Scratch,
+    /// The scratch may be reused: nothing of the provider's is left in it.
+    clean: bool,
 }
 
 /// What a new collective needs besides its kind.
@@ -570,15 +632,10 @@ impl Coll {
         let reduce = kind != Kind::AllGather;
         let gather = kind != Kind::ReduceScatter;
         let my_len = s.shards[me].1 - s.shards[me].0;
-        let mut scratch = vec![0u8; if reduce { my_len * n } else { 0 }];
-        let scratch_mh = match g.any() {
-            Some(any) if reduce && my_len > 0 => core::reg_mr(
-                p(any),
-                scratch.as_mut_ptr().cast(),
-                scratch.len(),
-                props::PTR_HOST,
-            )? as usize,
-            _ => 0,
+        let scratch = if reduce && my_len > 0 {
+            g.take_scratch(my_len * n + chunk.min(my_len))?
+        } else {
+            Scratch::default()
         };
         let streams = |on: bool, shard: &dyn Fn(usize) -> usize| -> Vec<Stream> {
             (0..n)
@@ -603,7 +660,6 @@ impl Coll {
             p2_send: streams(gather, &|_| me),
             p2_recv: streams(gather, &|j| j),
             ready: if reduce { 0 } else { chunks[me].len() },
-            acc: vec![0u8; if reduce { chunk.min(my_len) } else { 0 }],
             shards: s.shards,
             chunks,
             p1_src: s.p1_src,
@@ -615,7 +671,7 @@ impl Coll {
             p2_dst_mh: s.p2_dst_mh,
             hazard: s.hazard,
             scratch,
-            scratch_mh,
+            clean: true,
             g,
         };
         if kind == Kind::AllGather && my_len > 0 && c.p2_src != c.p2_dst[me] {
@@ -645,7 +701,7 @@ impl Coll {
             }
             return Ok(true);
         }
-        let scratch = self.scratch.as_mut_ptr() as usize;
+        let (scratch, scratch_mh) = (self.scratch.buf.as_mut_ptr() as usize, self.scratch.mh);
         for j in (0..n).filter(|&j| j != me) {
             let at = |e: Error| e.context(format!("rank {j} of {n}"));
             let (g, t, ch) = (&self.g, self.tag, &self.chunks);
@@ -669,7 +725,7 @@ impl Coll {
                 |k| {
                     let c = ch[me][k];
                     // SAFETY: rank j's slot of this request's registered scratch.
-                    unsafe { recv(g, j, slot + (c.off - my0), c.len, t[0], self.scratch_mh) }
+                    unsafe { recv(g, j, slot + (c.off - my0), c.len, t[0], scratch_mh) }
                 },
             )
             .map_err(at)?;
@@ -748,22 +804,71 @@ impl Coll {
                 scratch[k * shard_len + rel..].as_ptr()
             }
         };
-        let acc = &mut self.acc[..ch.len];
-        // SAFETY: each contribution is `ch.len` bytes inside NCCL's send
+        let out = self.p1_out + rel;
+        let len = ch.len;
+        let apart = out + len <= own || own + len <= out;
+        if out == own && me == 0 {
+            // In place at rank 0: the output already holds contribution 0.
+            for k in 1..self.g.nranks {
+                // SAFETY: scratch slots never overlap NCCL's buffers; the
+                // output chunk is NCCL's, `len` bytes.
+                let (dst, src) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(out as *mut u8, len),
+                        std::slice::from_raw_parts(contribution(k, &self.scratch.buf), len),
+                    )
+                };
+                reduce::reduce(self.ty, self.op, dst, src);
+            }
+            return;
+        }
+        if apart {
+            // Contribution 0 into the output, then the others onto it.
+            // SAFETY: the output chunk overlaps no contribution (checked, and
+            // scratch is this request's own).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    contribution(0, &self.scratch.buf),
+                    out as *mut u8,
+                    len,
+                )
+            };
+            for k in 1..self.g.nranks {
+                // SAFETY: as above.
+                let (dst, src) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(out as *mut u8, len),
+                        std::slice::from_raw_parts(contribution(k, &self.scratch.buf), len),
+                    )
+                };
+                reduce::reduce(self.ty, self.op, dst, src);
+            }
+            return;
+        }
+        // In place elsewhere: reduce in rank order aside (the scratch's last
+        // chunk), then copy out.
+        let at = self.g.nranks * shard_len;
+        let acc_ptr = self.scratch.buf[at..at + len].as_mut_ptr();
+        // SAFETY: the scratch's tail, `len` bytes, apart from every slot.
+        let acc = unsafe { std::slice::from_raw_parts_mut(acc_ptr, len) };
+        // SAFETY: each contribution is `len` bytes inside NCCL's send
         // buffer or this request's scratch buffer; none overlaps `acc`.
         unsafe {
-            std::ptr::copy_nonoverlapping(contribution(0, &self.scratch), acc.as_mut_ptr(), ch.len);
+            std::ptr::copy_nonoverlapping(
+                contribution(0, &self.scratch.buf),
+                acc.as_mut_ptr(),
+                len,
+            );
         }
         for k in 1..self.g.nranks {
             // SAFETY: as above.
-            let src = unsafe { std::slice::from_raw_parts(contribution(k, &self.scratch), ch.len) };
+            let src =
+                unsafe { std::slice::from_raw_parts(contribution(k, &self.scratch.buf), len) };
             reduce::reduce(self.ty, self.op, acc, src);
         }
         // SAFETY: the chunk lies inside NCCL's output buffer (which may be
         // the send buffer: the contributions were read above).
-        unsafe {
-            std::ptr::copy_nonoverlapping(acc.as_ptr(), (self.p1_out + rel) as *mut u8, ch.len)
-        };
+        unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), out as *mut u8, len) };
     }
 }
 
@@ -773,6 +878,10 @@ impl Coll {
     /// writes into the scratch buffer after it is freed.
     fn abandon(&mut self) {
         let deadline = Instant::now() + core::peer_timeout().unwrap_or(Duration::from_secs(30));
+        // A failed collective's scratch is never reused (a peer that broke
+        // the protocol may still be writing); it is freed only if nothing
+        // of the provider's is left in it.
+        let mut clean = true;
         for s in self
             .p1_send
             .iter_mut()
@@ -781,18 +890,33 @@ impl Coll {
             .chain(&mut self.p2_recv)
         {
             for (_, q) in s.inflight.drain(..) {
-                while matches!(core::test(p(q)), Ok(None)) && Instant::now() < deadline {
+                while matches!(core::test(p(q)), Ok(None)) {
+                    if Instant::now() > deadline {
+                        clean = false;
+                        break;
+                    }
                     std::thread::yield_now();
                 }
             }
         }
+        if clean {
+            let s = std::mem::take(&mut self.scratch);
+            if s.mh != 0 {
+                let _ = core::dereg_mr(std::ptr::null_mut(), p(s.mh));
+            }
+        }
+        self.clean = false;
     }
 }
 
 impl Drop for Coll {
     fn drop(&mut self) {
-        if self.scratch_mh != 0 {
-            let _ = core::dereg_mr(std::ptr::null_mut(), p(self.scratch_mh));
+        let s = std::mem::take(&mut self.scratch);
+        if self.clean {
+            self.g.give_back(s);
+        } else {
+            // The provider may still hold part of it: never reuse or free it.
+            std::mem::forget(s);
         }
     }
 }
