@@ -677,3 +677,19 @@ fn shm_four_ranks() {
         }
     }
 }
+
+/// The same under sendrecv, where the dead rank's receives are posted to
+/// the provider: the failed all-reduce first gets them back.
+#[test]
+fn tcp_rank_killed_fails_the_all_reduce_sendrecv() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_PROTOCOL", "sendrecv");
+    rank_killed("tcp");
+}
+
+#[test]
+fn shm_rank_killed_fails_the_all_reduce_sendrecv() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_PROTOCOL", "sendrecv");
+    rank_killed("shm");
+}
