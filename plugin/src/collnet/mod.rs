@@ -806,69 +806,38 @@ impl Coll {
         };
         let out = self.p1_out + rel;
         let len = ch.len;
-        let apart = out + len <= own || own + len <= out;
-        if out == own && me == 0 {
-            // In place at rank 0: the output already holds contribution 0.
-            for k in 1..self.g.nranks {
-                // SAFETY: scratch slots never overlap NCCL's buffers; the
-                // output chunk is NCCL's, `len` bytes.
-                let (dst, src) = unsafe {
-                    (
-                        std::slice::from_raw_parts_mut(out as *mut u8, len),
-                        std::slice::from_raw_parts(contribution(k, &self.scratch.buf), len),
-                    )
-                };
-                reduce::reduce(self.ty, self.op, dst, src);
-            }
-            return;
-        }
-        if apart {
-            // Contribution 0 into the output, then the others onto it.
-            // SAFETY: the output chunk overlaps no contribution (checked, and
-            // scratch is this request's own).
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    contribution(0, &self.scratch.buf),
-                    out as *mut u8,
-                    len,
-                )
-            };
-            for k in 1..self.g.nranks {
-                // SAFETY: as above.
-                let (dst, src) = unsafe {
-                    (
-                        std::slice::from_raw_parts_mut(out as *mut u8, len),
-                        std::slice::from_raw_parts(contribution(k, &self.scratch.buf), len),
-                    )
-                };
-                reduce::reduce(self.ty, self.op, dst, src);
-            }
-            return;
-        }
-        // In place elsewhere: reduce in rank order aside (the scratch's last
-        // chunk), then copy out.
+        // Where to reduce: straight into the output when it holds
+        // contribution 0 already (in place at rank 0) or overlaps no input;
+        // else aside, in the scratch's last chunk, then copied out.
+        let seeded = out == own && me == 0;
+        let direct = seeded || out + len <= own || own + len <= out;
         let at = self.g.nranks * shard_len;
-        let acc_ptr = self.scratch.buf[at..at + len].as_mut_ptr();
-        // SAFETY: the scratch's tail, `len` bytes, apart from every slot.
-        let acc = unsafe { std::slice::from_raw_parts_mut(acc_ptr, len) };
-        // SAFETY: each contribution is `len` bytes inside NCCL's send
-        // buffer or this request's scratch buffer; none overlaps `acc`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                contribution(0, &self.scratch.buf),
-                acc.as_mut_ptr(),
-                len,
-            );
+        let dst = if direct {
+            out as *mut u8
+        } else {
+            self.scratch.buf[at..at + len].as_mut_ptr()
+        };
+        if !seeded {
+            // SAFETY: `dst` is `len` bytes that overlap no contribution (the
+            // output, checked apart, or the scratch's tail, apart from every
+            // slot); contribution 0 is `len` bytes of NCCL's input or scratch.
+            unsafe { std::ptr::copy_nonoverlapping(contribution(0, &self.scratch.buf), dst, len) };
         }
         for k in 1..self.g.nranks {
-            // SAFETY: as above.
-            let src =
-                unsafe { std::slice::from_raw_parts(contribution(k, &self.scratch.buf), len) };
-            reduce::reduce(self.ty, self.op, acc, src);
+            // SAFETY: as above; `dst` and contribution `k` do not overlap.
+            let (d, src) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(dst, len),
+                    std::slice::from_raw_parts(contribution(k, &self.scratch.buf), len),
+                )
+            };
+            reduce::reduce(self.ty, self.op, d, src);
         }
-        // SAFETY: the chunk lies inside NCCL's output buffer (which may be
-        // the send buffer: the contributions were read above).
-        unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), out as *mut u8, len) };
+        if !direct {
+            // SAFETY: the output chunk lies inside NCCL's output buffer (which
+            // may be the input: the contributions were read above).
+            unsafe { std::ptr::copy_nonoverlapping(dst, out as *mut u8, len) };
+        }
     }
 }
 
