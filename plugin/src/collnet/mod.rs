@@ -550,32 +550,16 @@ impl Kind {
     }
 }
 
-/// A collective in progress. Shards are byte ranges of the operation's
-/// global buffer; the addresses below say where each lives here.
+/// A collective in progress: its [`Spec`], the chunks and transfer
+/// streams it derives, and its scratch.
 #[derive(Debug)]
 pub struct Coll {
     g: Arc<CollComm>,
     kind: Kind,
-    ty: DataType,
-    op: RedOp,
-    /// Bytes `test` reports.
-    bytes: usize,
+    /// What the caller asked: sizes, shards, buffers, handles.
+    s: Spec,
     tag: [i32; 2],
-    shards: Vec<(usize, usize)>,
     chunks: Vec<Vec<Chunk>>,
-    /// Phase 1: where shard j starts in my input (sent to rank j; mine is
-    /// my own contribution), and where my reduced shard goes.
-    p1_src: Vec<usize>,
-    p1_out: usize,
-    smh: usize,
-    /// Phase 2: where my shard starts (sent to every rank), where shard j
-    /// lands, and the memory handles of both.
-    p2_src: usize,
-    p2_dst: Vec<usize>,
-    p2_src_mh: usize,
-    p2_dst_mh: usize,
-    /// Phase 2 may overwrite bytes phase 1 still sends (all-reduce in place).
-    hazard: bool,
     p1_send: Vec<Stream>,
     p1_recv: Vec<Stream>,
     p2_send: Vec<Stream>,
@@ -588,19 +572,28 @@ pub struct Coll {
     clean: bool,
 }
 
-/// What a new collective needs besides its kind.
+/// What a collective is asked to do. Shards are byte ranges of the
+/// operation's global buffer; the addresses say where each lives here.
+#[derive(Debug)]
 struct Spec {
     ty: DataType,
     op: RedOp,
+    /// Bytes `test` reports.
     bytes: usize,
     shards: Vec<(usize, usize)>,
+    /// Phase 1: where shard j starts in my input (sent to rank j; mine is
+    /// my own contribution), where my reduced shard goes, and the input's
+    /// memory handle.
     p1_src: Vec<usize>,
     p1_out: usize,
     smh: usize,
+    /// Phase 2: where my shard starts (sent to every rank), where shard j
+    /// lands, and the memory handles of both.
     p2_src: usize,
     p2_dst: Vec<usize>,
     p2_src_mh: usize,
     p2_dst_mh: usize,
+    /// Phase 2 may overwrite bytes phase 1 still sends (all-reduce in place).
     hazard: bool,
 }
 
@@ -651,33 +644,22 @@ impl Coll {
         let tag_base = ((seq & 0x00ff_ffff) as i32) << 2;
         let c = Coll {
             kind,
-            ty: s.ty,
-            op: s.op,
-            bytes: s.bytes,
             tag: [tag_base, tag_base | 1],
             p1_send: streams(reduce, &|j| j),
             p1_recv: streams(reduce, &|_| me),
             p2_send: streams(gather, &|_| me),
             p2_recv: streams(gather, &|j| j),
             ready: if reduce { 0 } else { chunks[me].len() },
-            shards: s.shards,
             chunks,
-            p1_src: s.p1_src,
-            p1_out: s.p1_out,
-            smh: s.smh,
-            p2_src: s.p2_src,
-            p2_dst: s.p2_dst,
-            p2_src_mh: s.p2_src_mh,
-            p2_dst_mh: s.p2_dst_mh,
-            hazard: s.hazard,
+            s,
             scratch,
             clean: true,
             g,
         };
-        if kind == Kind::AllGather && my_len > 0 && c.p2_src != c.p2_dst[me] {
+        if kind == Kind::AllGather && my_len > 0 && c.s.p2_src != c.s.p2_dst[me] {
             // SAFETY: my part, `my_len` bytes in NCCL's send buffer and in
             // its receive window (the caller checked both); they may overlap.
-            unsafe { std::ptr::copy(c.p2_src as *const u8, c.p2_dst[me] as *mut u8, my_len) };
+            unsafe { std::ptr::copy(c.s.p2_src as *const u8, c.s.p2_dst[me] as *mut u8, my_len) };
         }
         Ok(REQS.insert(Arc::new(Mutex::new(c))))
     }
@@ -687,15 +669,15 @@ impl Coll {
     fn step(&mut self) -> Result<bool> {
         let n = self.g.nranks;
         let me = self.g.rank;
-        let my0 = self.shards[me].0;
+        let my0 = self.s.shards[me].0;
         if n == 1 {
             if self.kind != Kind::AllGather {
-                let len = self.shards[0].1 - self.shards[0].0;
-                if len > 0 && self.p1_src[0] != self.p1_out {
+                let len = self.s.shards[0].1 - self.s.shards[0].0;
+                if len > 0 && self.s.p1_src[0] != self.s.p1_out {
                     // SAFETY: NCCL's buffers of `len` bytes each (checked by
                     // the caller); `copy` allows them to overlap.
                     unsafe {
-                        std::ptr::copy(self.p1_src[0] as *const u8, self.p1_out as *mut u8, len)
+                        std::ptr::copy(self.s.p1_src[0] as *const u8, self.s.p1_out as *mut u8, len)
                     };
                 }
             }
@@ -707,18 +689,18 @@ impl Coll {
             let (g, t, ch) = (&self.g, self.tag, &self.chunks);
             // Phase 1: shard j of my input to rank j; rank j's copy of my
             // shard into its scratch slot.
-            let (sj, src) = (self.shards[j].0, self.p1_src[j]);
+            let (sj, src) = (self.s.shards[j].0, self.s.p1_src[j]);
             pump(
                 &mut self.p1_send[j],
                 |_| true,
                 |k| {
                     let c = ch[j][k];
                     // SAFETY: chunk k of shard j of NCCL's input, registered with smh.
-                    unsafe { send(g, j, src + (c.off - sj), c.len, t[0], self.smh) }
+                    unsafe { send(g, j, src + (c.off - sj), c.len, t[0], self.s.smh) }
                 },
             )
             .map_err(at)?;
-            let slot = scratch + j * (self.shards[me].1 - my0);
+            let slot = scratch + j * (self.s.shards[me].1 - my0);
             pump(
                 &mut self.p1_recv[j],
                 |_| true,
@@ -757,24 +739,24 @@ impl Coll {
                         send(
                             g,
                             j,
-                            self.p2_src + (c.off - my0),
+                            self.s.p2_src + (c.off - my0),
                             c.len,
                             t[1],
-                            self.p2_src_mh,
+                            self.s.p2_src_mh,
                         )
                     }
                 },
             )
             .map_err(at)?;
-            let (sj, dst, sent) = (self.shards[j].0, self.p2_dst[j], &self.p1_send[j]);
-            let hazard = self.hazard;
+            let (sj, dst, sent) = (self.s.shards[j].0, self.s.p2_dst[j], &self.p1_send[j]);
+            let hazard = self.s.hazard;
             pump(
                 &mut self.p2_recv[j],
                 |k| !hazard || sent.done[k],
                 |k| {
                     let c = ch[j][k];
                     // SAFETY: chunk k of shard j's place in NCCL's output, registered.
-                    unsafe { recv(g, j, dst + (c.off - sj), c.len, t[1], self.p2_dst_mh) }
+                    unsafe { recv(g, j, dst + (c.off - sj), c.len, t[1], self.s.p2_dst_mh) }
                 },
             )
             .map_err(at)?;
@@ -794,9 +776,9 @@ impl Coll {
     fn reduce_chunk(&mut self, c: usize) {
         let me = self.g.rank;
         let ch = self.chunks[me][c];
-        let shard_len = self.shards[me].1 - self.shards[me].0;
-        let rel = ch.off - self.shards[me].0;
-        let own = self.p1_src[me] + rel;
+        let shard_len = self.s.shards[me].1 - self.s.shards[me].0;
+        let rel = ch.off - self.s.shards[me].0;
+        let own = self.s.p1_src[me] + rel;
         let contribution = |k: usize, scratch: &[u8]| -> *const u8 {
             if k == me {
                 own as *const u8
@@ -804,7 +786,7 @@ impl Coll {
                 scratch[k * shard_len + rel..].as_ptr()
             }
         };
-        let out = self.p1_out + rel;
+        let out = self.s.p1_out + rel;
         let len = ch.len;
         // Where to reduce: straight into the output when it holds
         // contribution 0 already (in place at rank 0) or overlaps no input;
@@ -831,7 +813,7 @@ impl Coll {
                     std::slice::from_raw_parts(contribution(k, &self.scratch.buf), len),
                 )
             };
-            reduce::reduce(self.ty, self.op, d, src);
+            reduce::reduce(self.s.ty, self.s.op, d, src);
         }
         if !direct {
             // SAFETY: the output chunk lies inside NCCL's output buffer (which
@@ -1113,7 +1095,7 @@ pub fn test(req: *mut c_void) -> Result<Option<usize>> {
     match op.step() {
         Ok(false) => Ok(None),
         Ok(true) => {
-            let bytes = op.bytes;
+            let bytes = op.s.bytes;
             drop(op);
             REQS.remove(req);
             Ok(Some(bytes))
