@@ -233,11 +233,17 @@ struct Sge<S> {
 }
 
 impl SgePtr {
-    /// (mhandle, address, size) of the first element.
+    /// (mhandle, address, size) of the one element of a list of `n` (NCCL
+    /// always passes one).
     ///
     /// # Safety
     /// The pointer is NULL or NCCL's SGE array of the version it came from.
-    unsafe fn first(self, what: &str) -> Result<(*mut c_void, *mut c_void, usize)> {
+    unsafe fn only(self, n: c_int, what: &str) -> Result<(*mut c_void, *mut c_void, usize)> {
+        if n != 1 {
+            return Err(Error::internal(format!(
+                "{what}: {n} scatter-gather parts (NCCL passes 1)"
+            )));
+        }
         let null = || Error::internal(format!("{what}: NULL scatter-gather list"));
         // SAFETY: NCCL's array of this version's layout (caller's contract).
         unsafe {
@@ -699,95 +705,91 @@ pub mod collnet {
     pub fn deregMr(a: args::deregMr) -> Result<()> {
         cn::dereg_mr(a.mhandle)
     }
+    /// Writes NULL to NCCL's request slot first (so an error leaves no
+    /// stale value), then the request `start` makes.
+    ///
+    /// # Safety
+    /// `slot` is NULL (refused) or NCCL's output slot.
+    unsafe fn request(
+        slot: *mut *mut c_void,
+        start: impl FnOnce() -> Result<*mut c_void>,
+    ) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let out = unsafe { out_ref(slot, "request")? };
+        *out = std::ptr::null_mut();
+        *out = start()?;
+        Ok(())
+    }
     /// `iallreduce`: `count` in elements.
     ///
     /// # Safety
     /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
     pub unsafe fn iallreduce(a: args::iallreduce) -> Result<()> {
-        // SAFETY: NCCL's output slot (NULL is refused).
-        let out = unsafe { out_ref(a.request, "request")? };
-        *out = std::ptr::null_mut();
-        // SAFETY: NCCL's registered buffers of `count` elements, kept until
-        // the request is done.
-        *out = unsafe {
-            cn::iallreduce(
-                a.collComm,
-                a.sendData,
-                a.recvData,
-                a.count.get("count")?,
-                a.dataType,
-                a.redOp,
-                a.sendMhandle,
-                a.recvMhandle,
-            )?
-        };
-        Ok(())
+        // SAFETY: NCCL's slot; its registered buffers of `count` elements,
+        // kept until the request is done.
+        unsafe {
+            request(a.request, || {
+                cn::iallreduce(
+                    a.collComm,
+                    a.sendData,
+                    a.recvData,
+                    a.count.get("count")?,
+                    a.dataType,
+                    a.redOp,
+                    a.sendMhandle,
+                    a.recvMhandle,
+                )
+            })
+        }
     }
     /// `iallgather` (v8+; NCCL passes one part).
     ///
     /// # Safety
     /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
     pub unsafe fn iallgather(a: args::iallgather) -> Result<()> {
-        // SAFETY: NCCL's output slot (NULL is refused).
-        let out = unsafe { out_ref(a.request, "request")? };
-        *out = std::ptr::null_mut();
-        if a.nRecvParts != 1 {
-            return Err(Error::internal(format!(
-                "CollNet iallgather: {} receive parts (NCCL passes 1)",
-                a.nRecvParts
-            )));
+        // SAFETY: NCCL's slot, its one-element list of this version's
+        // layout, and its registered buffers, kept until the request is done.
+        unsafe {
+            request(a.request, || {
+                let (mh, addr, size) = a.recvParts.only(a.nRecvParts, "CollNet iallgather")?;
+                cn::iallgather(
+                    a.collComm,
+                    a.sendData,
+                    addr,
+                    size,
+                    mh,
+                    a.bytesPerRank,
+                    a.windowOffset,
+                    a.windowBytes,
+                    a.sendMhandle,
+                )
+            })
         }
-        // SAFETY: NCCL's one-element list of this version's layout.
-        let (mh, addr, size) = unsafe { a.recvParts.first("CollNet iallgather")? };
-        // SAFETY: NCCL's registered buffers, kept until the request is done.
-        *out = unsafe {
-            cn::iallgather(
-                a.collComm,
-                a.sendData,
-                addr,
-                size,
-                mh,
-                a.bytesPerRank,
-                a.windowOffset,
-                a.windowBytes,
-                a.sendMhandle,
-            )?
-        };
-        Ok(())
     }
     /// `ireducescatter` (v8+; NCCL passes one part).
     ///
     /// # Safety
     /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
     pub unsafe fn ireducescatter(a: args::ireducescatter) -> Result<()> {
-        // SAFETY: NCCL's output slot (NULL is refused).
-        let out = unsafe { out_ref(a.request, "request")? };
-        *out = std::ptr::null_mut();
-        if a.nSendParts != 1 {
-            return Err(Error::internal(format!(
-                "CollNet ireducescatter: {} send parts (NCCL passes 1)",
-                a.nSendParts
-            )));
+        // SAFETY: as for `iallgather`.
+        unsafe {
+            request(a.request, || {
+                let (mh, addr, size) = a.sendParts.only(a.nSendParts, "CollNet ireducescatter")?;
+                cn::ireducescatter(
+                    a.collComm,
+                    addr,
+                    size,
+                    mh,
+                    a.recvData,
+                    a.bytesPerRank,
+                    a.windowOffset,
+                    a.windowBytes,
+                    a.dataType,
+                    a.redOp,
+                    a.recvMhandle,
+                )
+            })
         }
-        // SAFETY: NCCL's one-element list of this version's layout.
-        let (mh, addr, size) = unsafe { a.sendParts.first("CollNet ireducescatter")? };
-        // SAFETY: NCCL's registered buffers, kept until the request is done.
-        *out = unsafe {
-            cn::ireducescatter(
-                a.collComm,
-                addr,
-                size,
-                mh,
-                a.recvData,
-                a.bytesPerRank,
-                a.windowOffset,
-                a.windowBytes,
-                a.dataType,
-                a.redOp,
-                a.recvMhandle,
-            )?
-        };
-        Ok(())
     }
     /// `iflush`: host memory needs none (a NULL request is done).
     ///
