@@ -79,6 +79,17 @@ fn reference(ty: DataType, op: RedOp, a: &[u8], b: &[u8]) -> Vec<u8> {
             }
         };
     }
+    // A float type computed in f32 and rounded back (f32 itself: no rounding).
+    macro_rules! float {
+        ($t:ty, $to:expr, $from:expr) => {
+            match op {
+                RedOp::Sum => each!($t, |x, y| $from($to(x) + $to(y))),
+                RedOp::Prod => each!($t, |x, y| $from($to(x) * $to(y))),
+                RedOp::Max => each!($t, |x, y| $from($to(x).max($to(y)))),
+                RedOp::Min => each!($t, |x, y| $from($to(x).min($to(y)))),
+            }
+        };
+    }
     fn f32op(op: RedOp, x: f32, y: f32) -> f32 {
         match op {
             RedOp::Sum => x + y,
@@ -94,56 +105,15 @@ fn reference(ty: DataType, op: RedOp, a: &[u8], b: &[u8]) -> Vec<u8> {
         DataType::U32 => int!(u32),
         DataType::I64 => int!(i64),
         DataType::U64 => int!(u64),
-        DataType::F32 => a
-            .chunks(4)
-            .zip(b.chunks(4))
-            .flat_map(|(x, y)| {
-                let (x, y) = (
-                    f32::from_ne_bytes(x.try_into().unwrap()),
-                    f32::from_ne_bytes(y.try_into().unwrap()),
-                );
-                f32op(op, x, y).to_ne_bytes()
-            })
-            .collect(),
-        DataType::F64 => a
-            .chunks(8)
-            .zip(b.chunks(8))
-            .flat_map(|(x, y)| {
-                let (x, y) = (
-                    f64::from_ne_bytes(x.try_into().unwrap()),
-                    f64::from_ne_bytes(y.try_into().unwrap()),
-                );
-                match op {
-                    RedOp::Sum => x + y,
-                    RedOp::Prod => x * y,
-                    RedOp::Max => x.max(y),
-                    RedOp::Min => x.min(y),
-                }
-                .to_ne_bytes()
-            })
-            .collect(),
-        DataType::F16 => a
-            .chunks(2)
-            .zip(b.chunks(2))
-            .flat_map(|(x, y)| {
-                let (x, y) = (
-                    f16::from_ne_bytes([x[0], x[1]]),
-                    f16::from_ne_bytes([y[0], y[1]]),
-                );
-                f16::from_f32(f32op(op, x.to_f32(), y.to_f32())).to_ne_bytes()
-            })
-            .collect(),
-        DataType::Bf16 => a
-            .chunks(2)
-            .zip(b.chunks(2))
-            .flat_map(|(x, y)| {
-                let (x, y) = (
-                    bf16::from_ne_bytes([x[0], x[1]]),
-                    bf16::from_ne_bytes([y[0], y[1]]),
-                );
-                bf16::from_f32(f32op(op, x.to_f32(), y.to_f32())).to_ne_bytes()
-            })
-            .collect(),
+        DataType::F32 => float!(f32, |x| x, |v| v),
+        DataType::F64 => match op {
+            RedOp::Sum => each!(f64, |x, y| x + y),
+            RedOp::Prod => each!(f64, |x, y| x * y),
+            RedOp::Max => each!(f64, |x, y| x.max(y)),
+            RedOp::Min => each!(f64, |x, y| x.min(y)),
+        },
+        DataType::F16 => float!(f16, f16::to_f32, f16::from_f32),
+        DataType::Bf16 => float!(bf16, bf16::to_f32, bf16::from_f32),
         DataType::F8E4M3 => a
             .iter()
             .zip(b)
