@@ -63,7 +63,33 @@ pub const PARAMS: &[Param] = &[
         accepted: "seconds, decimals allowed, 0.1 ..= 3600",
         meaning: "how long a peer may stay silent before it is declared dead: connect and accept give up, and every request in flight on a comm to it fails (remote error). Both ends say Alive every timeout/8 from a background thread, so an idle live peer never times out",
     },
+    Param {
+        name: "WEFT_COLLNET_REDUCERS",
+        default: "unset (CollNet reduces among the ranks)",
+        accepted: "comma-separated list; each item a file `weft-reducer --handle-file` wrote, or the handle's 256 hex digits that `weft-reducer` printed",
+        meaning: "the reduction servers CollNet all-reduces go through (see \"CollNet\"); every rank of a group must list the same reducers in the same order. Files are read at CollNet `connect`, so reducers may start after the ranks' init",
+    },
 ];
+
+/// A reducer as `WEFT_COLLNET_REDUCERS` names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReducerRef {
+    /// The handle itself.
+    Handle([u8; crate::proto::wire::HANDLE_SIZE]),
+    /// A file holding it in hex.
+    File(std::path::PathBuf),
+}
+
+impl std::fmt::Display for ReducerRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReducerRef::Handle(h) => {
+                write!(f, "handle {}…", &crate::collnet::wire::to_hex(h)[..16])
+            }
+            ReducerRef::File(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
 
 /// Data-path protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,6 +135,8 @@ pub struct Config {
     pub link_speed_mbps: Option<u32>,
     /// Peer liveness timeout.
     pub peer_timeout: Duration,
+    /// CollNet reduction servers.
+    pub collnet_reducers: Vec<ReducerRef>,
     /// Where each parameter of [`PARAMS`] came from, in that order.
     pub sources: Vec<Source>,
 }
@@ -384,6 +412,24 @@ impl Config {
             c.peer_timeout = seconds("WEFT_PEER_TIMEOUT", &v, 0.1, 3600.0)?;
             set("WEFT_PEER_TIMEOUT", Source::Env("WEFT_PEER_TIMEOUT"));
         }
+        if let Some(v) = get("WEFT_COLLNET_REDUCERS") {
+            c.collnet_reducers = list("WEFT_COLLNET_REDUCERS", &v)?
+                .into_iter()
+                .map(|item| {
+                    if item.len() == 2 * crate::proto::wire::HANDLE_SIZE
+                        && item.bytes().all(|b| b.is_ascii_hexdigit())
+                    {
+                        ReducerRef::Handle(crate::collnet::wire::from_hex(&item).expect("hex"))
+                    } else {
+                        ReducerRef::File(item.into())
+                    }
+                })
+                .collect();
+            set(
+                "WEFT_COLLNET_REDUCERS",
+                Source::Env("WEFT_COLLNET_REDUCERS"),
+            );
+        }
         Ok(c)
     }
 
@@ -406,6 +452,15 @@ impl Config {
             self.link_speed_mbps
                 .map_or_else(|| "(sysfs, else 10000)".to_owned(), |s| s.to_string()),
             format!("{:.3} s", self.peer_timeout.as_secs_f64()),
+            if self.collnet_reducers.is_empty() {
+                "(none)".to_owned()
+            } else {
+                self.collnet_reducers
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            },
         ];
         PARAMS
             .iter()
@@ -432,6 +487,7 @@ impl Default for Config {
             eager_size: 8192,
             link_speed_mbps: None,
             peer_timeout: Duration::from_secs(30),
+            collnet_reducers: Vec::new(),
             sources: vec![Source::Default; PARAMS.len()],
         }
     }
@@ -500,12 +556,32 @@ mod tests {
         assert_eq!(c.peer_timeout, Duration::from_millis(2500));
     }
 
+    #[test]
+    fn reducers_are_handles_or_files() {
+        let hex = "0a".repeat(crate::proto::wire::HANDLE_SIZE);
+        let c = with(&[(
+            "WEFT_COLLNET_REDUCERS",
+            &format!("/run/r0.handle, {hex},{}", &hex[2..]),
+        )])
+        .unwrap();
+        assert_eq!(
+            c.collnet_reducers,
+            [
+                ReducerRef::File("/run/r0.handle".into()),
+                ReducerRef::Handle([0x0a; crate::proto::wire::HANDLE_SIZE]),
+                // One digit short: not a handle, so a file name (reading it fails at connect).
+                ReducerRef::File(hex[2..].into()),
+            ]
+        );
+        assert!(with(&[]).unwrap().collnet_reducers.is_empty());
+    }
+
     /// Every parameter is read and validated: a bad value fails naming the
     /// variable, the value and what is accepted.
     #[test]
     fn every_param_rejects_a_bad_value_by_name() {
         let bad = |name: &str| match name {
-            "WEFT_PROVIDER" | "WEFT_IFACE" => "a,,b",
+            "WEFT_PROVIDER" | "WEFT_IFACE" | "WEFT_COLLNET_REDUCERS" => "a,,b",
             "WEFT_PROTOCOL" => "udp",
             "WEFT_PEER_TIMEOUT" => "0",
             _ => "-3",

@@ -182,6 +182,33 @@ impl<S: Subscriber> Layer<S> for NcclLayer {
     }
 }
 
+/// For Weft's own programs (`weft-reducer`): every event at `max` or
+/// more severe goes to stderr as one line, level first, instead of to an
+/// NCCL logger. Installed as the process's subscriber; call it before the
+/// first `init`.
+pub fn to_stderr(max: Level) {
+    let _ = tracing_subscriber::registry()
+        .with(StderrLayer(max))
+        .try_init();
+}
+
+struct StderrLayer(Level);
+
+impl<S: Subscriber> Layer<S> for StderrLayer {
+    fn enabled(&self, meta: &Metadata<'_>, _: Context<'_, S>) -> bool {
+        *meta.level() <= self.0
+    }
+
+    fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {
+        let text = render(event);
+        eprintln!(
+            "{:5} {}",
+            event.metadata().level(),
+            text.strip_prefix(PREFIX).unwrap_or(&text)
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

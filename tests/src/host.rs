@@ -29,8 +29,19 @@ pub fn configure(provider: &str) {
 
 /// A context for `provider` (the first call in a process fixes the provider).
 pub fn init(provider: &str) -> *mut c_void {
+    init_with_logger(provider, None)
+}
+
+/// [`init`], with Weft's log going to the capturing logger
+/// ([`crate::capture::lines`]).
+pub fn init_logged(provider: &str) -> *mut c_void {
+    init_with_logger(provider, Some(crate::capture::weft_test_capture_logger))
+}
+
+fn init_with_logger(provider: &str, logger: Option<weft::log::NcclDebugLogger>) -> *mut c_void {
     configure(provider);
     core::init(core::InitArgs {
+        logger,
         traffic_class: -1,
         ..Default::default()
     })

@@ -8,9 +8,11 @@
 //! result must be bit-identical to every other's.
 
 use std::ffi::c_void;
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Barrier, Mutex};
 
 use half::{bf16, f16};
+use weft::collnet::reducer::{Reducer, Stats};
 use weft::collnet::{self, reduce::DataType, reduce::RedOp, reduce::E4M3, reduce::E5M2};
 use weft::core;
 use weft::proto::wire::HANDLE_SIZE;
@@ -183,24 +185,59 @@ fn group<T: Send + 'static>(
     n: usize,
     work: impl Fn(usize, *mut c_void) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
+    served(provider, n, 0, work).0
+}
+
+/// [`group`] through `m` reducers, each a thread with its own context
+/// serving until the ranks are done; also returns each reducer's stats.
+fn served<T: Send + 'static>(
+    provider: &'static str,
+    n: usize,
+    m: usize,
+    work: impl Fn(usize, *mut c_void) -> T + Send + Sync + 'static,
+) -> (Vec<T>, Vec<Stats>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = mpsc::channel();
+    let reducers: Vec<_> = (0..m)
+        .map(|k| {
+            let (stop, tx) = (Arc::clone(&stop), tx.clone());
+            std::thread::spawn(move || {
+                let ctx = host::init_logged(provider);
+                let mut r = Reducer::new(ctx, 0).expect("reducer");
+                tx.send((k, r.handle())).unwrap();
+                r.run(|_| stop.load(Ordering::Relaxed));
+                let s = r.stats();
+                drop(r);
+                core::finalize(ctx).unwrap();
+                s
+            })
+        })
+        .collect();
+    let mut rh = vec![[0u8; HANDLE_SIZE]; m];
+    for _ in 0..m {
+        let (k, h) = rx.recv().expect("a reducer's handle");
+        rh[k] = h;
+    }
+    let rh = Arc::new(rh);
     let handles = Arc::new(Mutex::new(vec![[0u8; HANDLE_SIZE]; n]));
     let barrier = Arc::new(Barrier::new(n));
     let work = Arc::new(work);
     let threads: Vec<_> = (0..n)
         .map(|rank| {
-            let (handles, barrier, work) = (
+            let (handles, barrier, work, rh) = (
                 Arc::clone(&handles),
                 Arc::clone(&barrier),
                 Arc::clone(&work),
+                Arc::clone(&rh),
             );
             std::thread::spawn(move || {
-                let ctx = host::init(provider);
+                let ctx = host::init_logged(provider);
                 let mut h = [0u8; HANDLE_SIZE];
                 let l = collnet::listen(ctx, 0, &mut h).expect("listen");
                 handles.lock().unwrap()[rank] = h;
                 barrier.wait();
                 let hs = handles.lock().unwrap().clone();
-                let g = collnet::connect(&hs, rank, l).expect("connect");
+                let g = collnet::connect_with(&hs, rank, l, &rh).expect("connect");
                 collnet::close_listen(l).unwrap();
                 let out = work(rank, g);
                 barrier.wait();
@@ -210,18 +247,24 @@ fn group<T: Send + 'static>(
             })
         })
         .collect();
-    threads
+    let out = threads
         .into_iter()
         .map(|t| t.join().expect("rank"))
-        .collect()
+        .collect();
+    stop.store(true, Ordering::Relaxed);
+    let stats = reducers
+        .into_iter()
+        .map(|t| t.join().expect("reducer"))
+        .collect();
+    (out, stats)
 }
 
 /// Every type and op, several sizes (1 element, odd counts, several chunks),
 /// in place and not: each rank's result equals the reference and every
 /// other rank's, bit for bit.
-fn every_type_and_op(provider: &'static str, n: usize) {
+fn every_type_and_op(provider: &'static str, n: usize, m: usize) {
     let counts = [1usize, 7, 1000, 3 * (collnet::CHUNK / 4) + 5];
-    let results = group(provider, n, move |rank, g| {
+    let (results, stats) = served(provider, n, m, move |rank, g| {
         let mut out = Vec::new();
         for (ci, &count) in counts.iter().enumerate() {
             for ty in DataType::ALL {
@@ -272,21 +315,26 @@ fn every_type_and_op(provider: &'static str, n: usize) {
             "{provider}: {ty:?} {op:?} x{count}: differs from the reference"
         );
     }
+    // Through reducers, each reduced every one (the ranks did not).
+    for s in &stats {
+        assert_eq!(s.ops, cases as u64, "{provider}: a reducer's operations");
+        assert_eq!(s.failed, 0);
+    }
     println!(
-        "{provider}: {cases} all-reduces over {n} ranks, every rank bit-identical to the reference"
+        "{provider}: {cases} all-reduces over {n} ranks and {m} reducers, every rank bit-identical to the reference"
     );
 }
 
 #[test]
 fn shm_every_type_and_op_three_ranks() {
     weft_tests::isolated!();
-    every_type_and_op("shm", 3);
+    every_type_and_op("shm", 3, 0);
 }
 
 #[test]
 fn tcp_every_type_and_op_two_ranks() {
     weft_tests::isolated!();
-    every_type_and_op("tcp", 2);
+    every_type_and_op("tcp", 2, 0);
 }
 
 /// Several all-reduces in flight at once, issued in the same order on every
@@ -294,7 +342,11 @@ fn tcp_every_type_and_op_two_ranks() {
 #[test]
 fn shm_requests_in_flight() {
     weft_tests::isolated!();
-    let results = group("shm", 3, |rank, g| {
+    requests_in_flight(0);
+}
+
+fn requests_in_flight(m: usize) {
+    let (results, _) = served("shm", 3, m, |rank, g| {
         let k = 6;
         let mut bufs: Vec<Vec<u8>> = (0..k)
             .map(|i| input(DataType::I32, 5000 + i, (rank * 10 + i) as u64))
@@ -662,4 +714,93 @@ fn shm_rank_killed_fails_the_all_reduce_sendrecv() {
     weft_tests::isolated!();
     std::env::set_var("WEFT_PROTOCOL", "sendrecv");
     rank_killed("shm");
+}
+
+// ---- Reduction servers ----
+
+#[test]
+fn shm_through_two_reducers_every_type_and_op_three_ranks() {
+    weft_tests::isolated!();
+    every_type_and_op("shm", 3, 2);
+}
+
+#[test]
+fn tcp_through_a_reducer_every_type_and_op_two_ranks() {
+    weft_tests::isolated!();
+    every_type_and_op("tcp", 2, 1);
+}
+
+#[test]
+fn shm_through_reducers_requests_in_flight() {
+    weft_tests::isolated!();
+    requests_in_flight(2);
+}
+
+/// The point of a reducer: each rank sends and receives the buffer once,
+/// where the in-plugin algorithm moves 2(n-1)/n of it each way. Counted by
+/// the ranks and by the reducers.
+#[test]
+fn shm_through_a_reducer_each_rank_moves_the_buffer_once() {
+    weft_tests::isolated!();
+    let count = 2 * collnet::CHUNK / 4 + 3;
+    let bytes = (count * 4) as u64;
+    let run = |m: usize| {
+        served("shm", 4, m, move |rank, g| {
+            let data = input(DataType::F32, count, rank as u64);
+            allreduce(g, DataType::F32, RedOp::Sum, &data, true);
+            collnet::bytes_moved(g).unwrap()
+        })
+    };
+    let (mesh, _) = run(0);
+    let (via, stats) = run(1);
+    for (rank, (&(ms, mr), &(vs, vr))) in mesh.iter().zip(&via).enumerate() {
+        println!("rank {rank}: in-plugin sent {ms} received {mr}; through a reducer sent {vs} received {vr}");
+        assert_eq!((vs, vr), (bytes, bytes), "rank {rank} through the reducer");
+        // 2 (n-1)/n = 1.5 of the buffer each way, give or take the odd element.
+        assert!(
+            ms > bytes * 14 / 10 && mr > bytes * 14 / 10,
+            "rank {rank} in-plugin"
+        );
+    }
+    assert_eq!(
+        (stats[0].bytes_in, stats[0].bytes_out),
+        (4 * bytes, 4 * bytes)
+    );
+}
+
+/// Ranks that issue different all-reduces (a broken contract NCCL never
+/// breaks) fail, instead of getting a wrong result, and the reducer's log
+/// says why.
+#[test]
+fn tcp_ranks_that_disagree_fail_and_the_reducer_says_why() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_PEER_TIMEOUT", "5");
+    let (errs, stats) = served("tcp", 2, 1, |rank, g| {
+        let count = 1000 + rank; // rank 1 asks for one element more
+        let mut v = input(DataType::F32, count, 1);
+        let p: *mut c_void = v.as_mut_ptr().cast();
+        let mh = collnet::reg_mr(g, p, v.len(), 1).unwrap();
+        // SAFETY: registered, in place, kept until the request ends.
+        let q = unsafe { collnet::iallreduce(g, p, p, count, 7, 0, mh, mh) }.unwrap();
+        let e = weft_tests::poll_until("the all-reduce to fail", || match collnet::test(q) {
+            Ok(None) => None,
+            Ok(Some(_)) => panic!("rank {rank}: an all-reduce of mismatched sizes completed"),
+            Err(e) => Some(e),
+        });
+        collnet::dereg_mr(mh).unwrap();
+        e
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        println!("rank {rank}: {e}");
+        assert_eq!(e.code, core::Code::Remote, "rank {rank}: {e}");
+        assert!(e.msg.contains("reducer 0 of 1"), "rank {rank}: {e}");
+    }
+    assert_eq!(stats[0].failed, 1, "the reducer ended the group");
+    let why = weft_tests::capture::lines()
+        .into_iter()
+        .find(|l| l.text.contains("disagree"))
+        .expect("the reducer logs why it ended the group");
+    println!("reducer: {}", why.text);
+    assert_eq!(why.level, weft::log::level::WARN);
+    assert!(why.text.contains("ranks 0 and 1") && why.text.contains("len: 4000"));
 }

@@ -29,24 +29,40 @@
 //! itself is [`reduce`].
 
 pub mod reduce;
+pub mod reducer;
+pub mod wire;
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::config::ReducerRef;
 use crate::core::handles::Registry;
 use crate::core::{self, props, RecvArg};
 use crate::error::{Error, Result};
 use crate::proto::wire::HANDLE_SIZE;
 use reduce::{DataType, RedOp};
+use wire::{Header, Join, GREETING_LEN};
 
 /// Bytes per message of a shard (a multiple of the element size is used).
 pub const CHUNK: usize = 1 << 20;
 /// Messages in flight per peer, phase and direction.
 const WINDOW: usize = 4;
-/// Tag of the rank announcement on a new group's comms.
+/// Tag of the greeting on a new group's comms.
 const HELLO_TAG: i32 = 0x7fff_fff0;
+/// Tag of the header that opens an all-reduce at a reducer.
+const HEADER_TAG: i32 = 0x7fff_ffe0;
+/// Operations whose tags differ: an operation's tags are its number modulo
+/// this (so a comm's per-tag counters stay bounded however long the job),
+/// and a group refuses to have more in flight.
+pub const TAG_OPS: u32 = 4096;
+
+/// The tags of operation `seq`'s two phases (to and from the reducing side).
+fn op_tags(seq: u32) -> [i32; 2] {
+    let base = ((seq % TAG_OPS) as i32) << 2;
+    [base, base | 1]
+}
 
 /// A listening CollNet comm: the core listener of one device.
 #[derive(Debug)]
@@ -65,8 +81,12 @@ pub struct CollComm {
     /// Core send and receive comm per rank (0 at this rank's own index).
     send: Vec<usize>,
     recv: Vec<usize>,
+    /// Send and receive comm per reducer (none: the ranks reduce).
+    reducers: Vec<(usize, usize)>,
     /// Operations issued so far (the next one's sequence number).
     seq: Mutex<u32>,
+    /// Operations in flight.
+    live: AtomicUsize,
     /// Payload bytes this rank sent and received in collectives.
     sent: AtomicU64,
     received: AtomicU64,
@@ -125,182 +145,274 @@ pub fn close_listen(l: *mut c_void) -> Result<()> {
 }
 
 /// `connect(handles, rank, listenComm)`: builds the group; returns once
-/// every rank is connected both ways.
+/// every rank, and every reducer `WEFT_COLLNET_REDUCERS` names, is
+/// connected both ways.
 pub fn connect(
     handles: &[[u8; HANDLE_SIZE]],
     rank: usize,
     listen: *mut c_void,
+) -> Result<*mut c_void> {
+    let reducers = reducer_handles()?;
+    connect_with(handles, rank, listen, &reducers)
+}
+
+/// The reducers' handles, as `WEFT_COLLNET_REDUCERS` names them.
+fn reducer_handles() -> Result<Vec<[u8; HANDLE_SIZE]>> {
+    core::collnet_reducers()?
+        .iter()
+        .map(|r| match r {
+            ReducerRef::Handle(h) => Ok(*h),
+            ReducerRef::File(path) => {
+                let f = path.display();
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    Error::usage(format!(
+                        "WEFT_COLLNET_REDUCERS: cannot read {f}: {e}; start `weft-reducer --handle-file {f}` first, or fix the list"
+                    ))
+                })?;
+                wire::from_hex(&text).ok_or_else(|| {
+                    Error::usage(format!(
+                        "WEFT_COLLNET_REDUCERS: {f} holds no reducer handle ({} hex digits, as `weft-reducer --handle-file` writes)",
+                        2 * HANDLE_SIZE
+                    ))
+                })
+            }
+        })
+        .collect()
+}
+
+/// A group being built: the comms so far and the greetings' buffer. What
+/// is still here when it is dropped (a failed `connect`) is closed.
+#[derive(Debug)]
+struct Building {
+    /// Send comm per rank (0: not yet, or this rank) and per reducer.
+    send: Vec<usize>,
+    rsend: Vec<usize>,
+    accepted: Vec<usize>,
+    /// My greeting (8 bytes), the joins (one per reducer), then room for
+    /// one greeting per accepted comm; registered once a comm exists.
+    arena: Vec<u8>,
+    mh: usize,
+}
+
+impl Drop for Building {
+    fn drop(&mut self) {
+        for &s in self.send.iter().chain(&self.rsend).filter(|&&s| s != 0) {
+            let _ = core::close_send(p(s));
+        }
+        for &r in &self.accepted {
+            let _ = core::close_recv(p(r));
+        }
+        if self.mh != 0 {
+            let _ = core::dereg_mr(std::ptr::null_mut(), p(self.mh));
+        }
+    }
+}
+
+/// [`connect`] with the reducers given (tests run reducers in-process).
+///
+/// Every comm opens with a greeting that says whose it is: each rank sends
+/// its rank on its send comm to every other rank, and a [`wire::Join`] to
+/// every reducer; a reducer connects back once all the group's ranks
+/// joined and greets with [`wire::REDUCER_BIT`] and its index. `connect`
+/// gives up when nothing progresses for `WEFT_PEER_TIMEOUT`.
+pub fn connect_with(
+    handles: &[[u8; HANDLE_SIZE]],
+    rank: usize,
+    listen: *mut c_void,
+    reducers: &[[u8; HANDLE_SIZE]],
 ) -> Result<*mut c_void> {
     let l = LISTENS.get(listen).ok_or_else(|| {
         Error::internal(format!(
             "CollNet connect: {listen:p} is not a live listen comm"
         ))
     })?;
-    let n = handles.len();
-    if rank >= n {
+    let (n, m) = (handles.len(), reducers.len());
+    if rank >= n || n > wire::MAX_RANKS as usize {
         return Err(Error::internal(format!(
             "CollNet connect: rank {rank} of a group of {n}"
         )));
     }
-    let mut send = vec![0usize; n];
-    let mut accepted: Vec<usize> = Vec::new();
-    let mut hs: Vec<[u8; HANDLE_SIZE]> = handles.to_vec();
+    if m > wire::MAX_REDUCERS as usize {
+        return Err(Error::usage(format!(
+            "WEFT_COLLNET_REDUCERS names {m} reducers; at most {}",
+            wire::MAX_REDUCERS
+        )));
+    }
     let timeout = core::peer_timeout()?;
+    let key = wire::group_key(handles);
+    let peers = n - 1 + m;
+    let join_at = GREETING_LEN;
+    let theirs_at = join_at + m * Join::LEN;
+    let mut b = Building {
+        send: vec![0; n],
+        rsend: vec![0; m],
+        accepted: Vec::new(),
+        arena: vec![0; theirs_at + peers * GREETING_LEN],
+        mh: 0,
+    };
+    b.arena[..GREETING_LEN].copy_from_slice(&(rank as u64).to_le_bytes());
+    for k in 0..m {
+        let j = Join {
+            key,
+            rank: rank as u32,
+            nranks: n as u32,
+            index: k as u32,
+            nreducers: m as u32,
+            handle: handles[rank],
+        };
+        b.arena[join_at + k * Join::LEN..][..Join::LEN].copy_from_slice(&j.encode());
+    }
+    let base = b.arena.as_mut_ptr() as usize;
+    let mut hs: Vec<[u8; HANDLE_SIZE]> = handles.to_vec();
+    let mut rh: Vec<[u8; HANDLE_SIZE]> = reducers.to_vec();
+    // Greetings out (per rank, then per reducer) and in (per accepted comm).
+    let mut out = vec![false; n + m];
+    out[rank] = true;
+    let mut inn = vec![false; peers];
+    let mut reqs: Vec<usize> = Vec::new();
     let mut last_progress = Instant::now();
-    let result = (|| -> Result<Vec<usize>> {
-        loop {
-            let mut progressed = false;
-            for j in 0..n {
-                if j == rank || send[j] != 0 {
+    loop {
+        let mut progressed = false;
+        for (j, h) in hs.iter_mut().enumerate() {
+            if j != rank && b.send[j] == 0 {
+                if let Some(s) = core::connect(p(l.ctx), l.dev, None, h)? {
+                    b.send[j] = s as usize;
+                    progressed = true;
+                }
+            }
+        }
+        for (k, h) in rh.iter_mut().enumerate() {
+            if b.rsend[k] == 0 {
+                let s = core::connect(p(l.ctx), l.dev, None, h)
+                    .map_err(|e| e.context(format!("CollNet connect: reducer {k} of {m}")))?;
+                if let Some(s) = s {
+                    b.rsend[k] = s as usize;
+                    progressed = true;
+                }
+            }
+        }
+        while b.accepted.len() < peers {
+            match core::accept(p(l.listen))? {
+                Some(r) => {
+                    b.accepted.push(r as usize);
+                    progressed = true;
+                }
+                None => break,
+            }
+        }
+        if b.mh == 0 {
+            let any = b.send.iter().chain(&b.rsend).chain(&b.accepted);
+            if let Some(&c) = any.into_iter().find(|&&c| c != 0) {
+                b.mh = core::reg_mr(p(c), p(base), b.arena.len(), props::PTR_HOST)? as usize;
+            }
+        }
+        if b.mh != 0 {
+            for (j, posted) in out.iter_mut().enumerate() {
+                let (comm, at, len) = if j < n {
+                    (b.send[j], 0, GREETING_LEN)
+                } else {
+                    (b.rsend[j - n], join_at + (j - n) * Join::LEN, Join::LEN)
+                };
+                if *posted || comm == 0 {
                     continue;
                 }
-                if let Some(s) = core::connect(p(l.ctx), l.dev, None, &mut hs[j])? {
-                    send[j] = s as usize;
-                    progressed = true;
+                // SAFETY: `len` bytes of the registered arena, kept until
+                // the requests are done (or their comms closed).
+                if let Some(q) = unsafe { send(comm, base + at, len, HELLO_TAG, b.mh) }? {
+                    *posted = true;
+                    reqs.push(q as usize);
                 }
             }
-            if accepted.len() < n - 1 {
-                if let Some(r) = core::accept(p(l.listen))? {
-                    accepted.push(r as usize);
-                    progressed = true;
+            for (i, &r) in b.accepted.iter().enumerate() {
+                if inn[i] {
+                    continue;
+                }
+                let at = theirs_at + i * GREETING_LEN;
+                // SAFETY: as above, this comm's own greeting slot.
+                if let Some(q) = unsafe { recv(r, base + at, GREETING_LEN, HELLO_TAG, b.mh) }? {
+                    inn[i] = true;
+                    reqs.push(q as usize);
                 }
             }
-            let connected = (0..n).filter(|&j| j != rank && send[j] != 0).count();
-            if connected == n - 1 && accepted.len() == n - 1 {
-                return hello(rank, &send, &accepted, timeout);
-            }
-            if progressed {
-                last_progress = Instant::now();
-            } else if last_progress.elapsed() > timeout {
-                let missing: Vec<usize> = (0..n).filter(|&j| j != rank && send[j] == 0).collect();
-                return Err(Error::remote(format!(
-                    "CollNet connect: rank {rank} of {n}: no progress for {:.1} s (WEFT_PEER_TIMEOUT); \
-                     not connected to ranks {missing:?}, {} of {} accepted",
-                    timeout.as_secs_f64(),
-                    accepted.len(),
-                    n - 1
-                )));
-            }
-            std::thread::yield_now();
         }
-    })();
-    match result {
-        Ok(recv) => Ok(COMMS.insert(Arc::new(CollComm {
-            rank,
-            nranks: n,
-            dev: l.dev,
-            send,
-            recv,
-            seq: Mutex::new(0),
-            sent: AtomicU64::new(0),
-            received: AtomicU64::new(0),
-            pool: Mutex::new(Vec::new()),
-        }))),
-        Err(e) => {
-            for s in send.into_iter().filter(|&s| s != 0) {
-                let _ = core::close_send(p(s));
+        let before = reqs.len();
+        let mut i = 0;
+        while i < reqs.len() {
+            if core::test(p(reqs[i]))?.is_some() {
+                reqs.swap_remove(i);
+            } else {
+                i += 1;
             }
-            for r in accepted {
-                let _ = core::close_recv(p(r));
+        }
+        progressed |= reqs.len() != before;
+        if reqs.is_empty()
+            && b.accepted.len() == peers
+            && out.iter().all(|&o| o)
+            && inn.iter().all(|&i| i)
+        {
+            break;
+        }
+        if progressed {
+            last_progress = Instant::now();
+        } else if last_progress.elapsed() > timeout {
+            let missing: Vec<usize> = (0..n).filter(|&j| j != rank && b.send[j] == 0).collect();
+            let reducers: Vec<usize> = (0..m).filter(|&k| b.rsend[k] == 0).collect();
+            return Err(Error::remote(format!(
+                "CollNet connect: rank {rank} of {n}: no progress for {:.1} s (WEFT_PEER_TIMEOUT); \
+                 not connected to ranks {missing:?} or reducers {reducers:?}; {} of {peers} comms accepted \
+                 (a reducer connects back once every rank of the group has joined it), {} greetings in flight",
+                timeout.as_secs_f64(),
+                b.accepted.len(),
+                reqs.len()
+            )));
+        }
+        std::thread::yield_now();
+    }
+    // Whose is each accepted comm?
+    let mut recv = vec![0usize; n];
+    let mut rrecv = vec![0usize; m];
+    for (i, &c) in b.accepted.iter().enumerate() {
+        let at = theirs_at + i * GREETING_LEN;
+        let v = u64::from_le_bytes(b.arena[at..at + 8].try_into().expect("8 bytes"));
+        let slot = if v & wire::REDUCER_BIT != 0 {
+            usize::try_from(v & !wire::REDUCER_BIT)
+                .ok()
+                .and_then(|k| rrecv.get_mut(k))
+        } else {
+            usize::try_from(v)
+                .ok()
+                .filter(|&j| j != rank)
+                .and_then(|j| recv.get_mut(j))
+        };
+        match slot {
+            Some(s) if *s == 0 => *s = c,
+            _ => {
+                return Err(Error::remote(format!(
+                    "CollNet connect: rank {rank} of {n}: a peer greeted as {v:#x}: not a rank or reducer of this group, or twice"
+                )))
             }
-            Err(e)
         }
     }
-}
-
-/// Each rank says its rank on every send comm; the receive comms are then
-/// ordered by whose they are.
-fn hello(rank: usize, send: &[usize], accepted: &[usize], timeout: Duration) -> Result<Vec<usize>> {
-    let n = send.len();
-    let mine = (rank as u64).to_le_bytes();
-    let mut theirs = vec![[0u8; 8]; accepted.len()];
-    let any = send.iter().copied().find(|&s| s != 0).expect("n > 1");
-    let smh = core::reg_mr(p(any), mine.as_ptr() as *mut c_void, 8, props::PTR_HOST)?;
-    let rmh = core::reg_mr(
-        p(any),
-        theirs.as_mut_ptr().cast(),
-        8 * theirs.len(),
-        props::PTR_HOST,
-    )?;
-    let mut run = || -> Result<Vec<usize>> {
-        let mut reqs: Vec<usize> = Vec::new();
-        let mut sent = vec![false; n];
-        let mut posted = vec![false; accepted.len()];
-        let mut waiting = 2 * (n - 1);
-        let mut last = Instant::now();
-        while waiting > 0 {
-            for j in 0..n {
-                if send[j] == 0 || sent[j] {
-                    continue;
-                }
-                // SAFETY: `mine` is registered with `smh` and outlives the request.
-                if let Some(q) = unsafe {
-                    core::isend(
-                        p(send[j]),
-                        mine.as_ptr() as *mut c_void,
-                        8,
-                        HELLO_TAG,
-                        smh,
-                        std::ptr::null_mut(),
-                    )
-                }? {
-                    sent[j] = true;
-                    reqs.push(q as usize);
-                }
-            }
-            for (i, &r) in accepted.iter().enumerate() {
-                if posted[i] {
-                    continue;
-                }
-                let arg = RecvArg {
-                    data: theirs[i].as_mut_ptr().cast(),
-                    size: 8,
-                    tag: HELLO_TAG,
-                    mhandle: rmh,
-                    phandle: std::ptr::null_mut(),
-                };
-                // SAFETY: `theirs` is registered with `rmh` and outlives the request.
-                if let Some(q) = unsafe { core::irecv(p(r), &[arg]) }? {
-                    posted[i] = true;
-                    reqs.push(q as usize);
-                }
-            }
-            let before = reqs.len();
-            let mut i = 0;
-            while i < reqs.len() {
-                if core::test(p(reqs[i]))?.is_some() {
-                    reqs.swap_remove(i);
-                    waiting -= 1;
-                } else {
-                    i += 1;
-                }
-            }
-            if reqs.len() != before {
-                last = Instant::now();
-            } else if last.elapsed() > timeout {
-                return Err(Error::remote(format!(
-                    "CollNet connect: rank {rank}: the group's ranks did not all say who they are within {:.1} s (WEFT_PEER_TIMEOUT)",
-                    timeout.as_secs_f64()
-                )));
-            }
-            std::thread::yield_now();
-        }
-        let mut recv = vec![0usize; n];
-        for (i, t) in theirs.iter().enumerate() {
-            let j = u64::from_le_bytes(*t) as usize;
-            if j >= n || j == rank || recv[j] != 0 {
-                return Err(Error::remote(format!(
-                    "CollNet connect: rank {rank}: a peer said it is rank {j} of {n} (twice, or out of range)"
-                )));
-            }
-            recv[j] = accepted[i];
-        }
-        Ok(recv)
-    };
-    let r = run();
-    core::dereg_mr(p(any), smh)?;
-    core::dereg_mr(p(any), rmh)?;
-    r
+    b.accepted.clear();
+    let send = std::mem::take(&mut b.send);
+    let reducers = std::mem::take(&mut b.rsend)
+        .into_iter()
+        .zip(rrecv)
+        .collect();
+    drop(b);
+    Ok(COMMS.insert(Arc::new(CollComm {
+        rank,
+        nranks: n,
+        dev: l.dev,
+        send,
+        recv,
+        reducers,
+        seq: Mutex::new(0),
+        live: AtomicUsize::new(0),
+        sent: AtomicU64::new(0),
+        received: AtomicU64::new(0),
+        pool: Mutex::new(Vec::new()),
+    })))
 }
 
 fn comm(c: *mut c_void, call: &str) -> Result<Arc<CollComm>> {
@@ -314,18 +426,20 @@ fn comm(c: *mut c_void, call: &str) -> Result<Arc<CollComm>> {
 impl CollComm {
     /// A comm to register memory through (any of the group's).
     fn any(&self) -> Option<usize> {
-        self.send.iter().copied().find(|&s| s != 0)
+        let reducers = self.reducers.iter().map(|r| r.0);
+        self.send.iter().copied().chain(reducers).find(|&s| s != 0)
     }
 
-    /// A registered scratch buffer of at least `len` bytes: a kept one, or
-    /// a new one.
+    /// A registered scratch buffer of at least `len` bytes: the smallest
+    /// kept one that is large enough, or a new one.
     fn take_scratch(&self, len: usize) -> Result<Scratch> {
         if len == 0 {
             return Ok(Scratch::default());
         }
         {
             let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(i) = pool.iter().position(|s| s.buf.len() >= len) {
+            let fits = (0..pool.len()).filter(|&i| pool[i].buf.len() >= len);
+            if let Some(i) = fits.min_by_key(|&i| pool[i].buf.len()) {
                 return Ok(pool.swap_remove(i));
             }
         }
@@ -372,10 +486,21 @@ pub fn close_coll(c: *mut c_void) -> Result<()> {
             first = first.and(core::dereg_mr(std::ptr::null_mut(), p(s.mh)));
         }
     }
-    for &s in g.send.iter().filter(|&&s| s != 0) {
+    let reducers = g.reducers.iter();
+    for &s in g
+        .send
+        .iter()
+        .chain(reducers.clone().map(|r| &r.0))
+        .filter(|&&s| s != 0)
+    {
         first = first.and(core::close_send(p(s)));
     }
-    for &r in g.recv.iter().filter(|&&r| r != 0) {
+    for &r in g
+        .recv
+        .iter()
+        .chain(reducers.map(|r| &r.1))
+        .filter(|&&r| r != 0)
+    {
         first = first.and(core::close_recv(p(r)));
     }
     first
@@ -490,29 +615,28 @@ fn pump(
     Ok(())
 }
 
-/// Sends `len` bytes at `addr` (registered with `mh`) to rank `j`.
+/// Sends `len` bytes at `addr` (registered with `mh`) on core send comm `comm`.
 ///
 /// # Safety
 /// The range is registered with `mh` and stays valid until the request is done.
-unsafe fn send(
-    g: &CollComm,
-    j: usize,
+pub(crate) unsafe fn send(
+    comm: usize,
     addr: usize,
     len: usize,
     tag: i32,
     mh: usize,
 ) -> Result<Option<*mut c_void>> {
     // SAFETY: the caller's contract.
-    unsafe { core::isend(p(g.send[j]), p(addr), len, tag, p(mh), std::ptr::null_mut()) }
+    unsafe { core::isend(p(comm), p(addr), len, tag, p(mh), std::ptr::null_mut()) }
 }
 
-/// Receives `len` bytes from rank `j` into `addr` (registered with `mh`).
+/// Receives `len` bytes on core receive comm `comm` into `addr` (registered
+/// with `mh`).
 ///
 /// # Safety
 /// As for [`send`], and the range is writable.
-unsafe fn recv(
-    g: &CollComm,
-    j: usize,
+pub(crate) unsafe fn recv(
+    comm: usize,
     addr: usize,
     len: usize,
     tag: i32,
@@ -526,7 +650,7 @@ unsafe fn recv(
         phandle: std::ptr::null_mut(),
     };
     // SAFETY: the caller's contract.
-    unsafe { core::irecv(p(g.recv[j]), &[arg]) }
+    unsafe { core::irecv(p(comm), &[arg]) }
 }
 
 /// What a collective does with the two phases (see the module's "All-reduce").
@@ -564,6 +688,11 @@ pub struct Coll {
     p1_recv: Vec<Stream>,
     p2_send: Vec<Stream>,
     p2_recv: Vec<Stream>,
+    /// Through reducers: phase 1 is `p1_send[k]` to reducer k, phase 2
+    /// `p2_recv[k]` from it, and `hdr[k]` the header that opens the
+    /// operation there (its bytes at the start of `scratch`).
+    served: bool,
+    hdr: Vec<Stream>,
     /// Chunks of my shard ready for phase 2 (reduced, or given).
     ready: usize,
     /// The peers' contributions to my shard, one shard-sized slot per rank.
@@ -601,6 +730,12 @@ impl Coll {
     fn start(g: Arc<CollComm>, kind: Kind, s: Spec) -> Result<*mut c_void> {
         let seq = {
             let mut q = g.seq.lock().unwrap_or_else(|e| e.into_inner());
+            if g.live.load(Ordering::Relaxed) >= TAG_OPS as usize {
+                return Err(Error::usage(format!(
+                    "CollNet {}: {TAG_OPS} collectives already in flight on this group; test some to completion first",
+                    kind.name()
+                )));
+            }
             let v = *q;
             *q = q.wrapping_add(1);
             v
@@ -622,6 +757,9 @@ impl Coll {
                     .collect()
             })
             .collect();
+        if kind == Kind::AllReduce && !g.reducers.is_empty() {
+            return Self::start_served(g, s, seq, chunk, chunks);
+        }
         let reduce = kind != Kind::AllGather;
         let gather = kind != Kind::ReduceScatter;
         let my_len = s.shards[me].1 - s.shards[me].0;
@@ -641,10 +779,11 @@ impl Coll {
                 })
                 .collect()
         };
-        let tag_base = ((seq & 0x00ff_ffff) as i32) << 2;
         let c = Coll {
             kind,
-            tag: [tag_base, tag_base | 1],
+            tag: op_tags(seq),
+            served: false,
+            hdr: Vec::new(),
             p1_send: streams(reduce, &|j| j),
             p1_recv: streams(reduce, &|_| me),
             p2_send: streams(gather, &|_| me),
@@ -661,12 +800,120 @@ impl Coll {
             // its receive window (the caller checked both); they may overlap.
             unsafe { std::ptr::copy(c.s.p2_src as *const u8, c.s.p2_dst[me] as *mut u8, my_len) };
         }
-        Ok(REQS.insert(Arc::new(Mutex::new(c))))
+        Ok(c.launch())
+    }
+
+    /// The request for `self`, counted in flight until dropped.
+    fn launch(self) -> *mut c_void {
+        self.g.live.fetch_add(1, Ordering::Relaxed);
+        REQS.insert(Arc::new(Mutex::new(self)))
+    }
+
+    /// An all-reduce through the group's reducers: `s.shards` are theirs.
+    fn start_served(
+        g: Arc<CollComm>,
+        s: Spec,
+        seq: u32,
+        chunk: usize,
+        chunks: Vec<Vec<Chunk>>,
+    ) -> Result<*mut c_void> {
+        let m = g.reducers.len();
+        let mut scratch = g.take_scratch(m * Header::LEN)?;
+        for (k, &(off, end)) in s.shards.iter().enumerate() {
+            let h = Header {
+                seq,
+                ty: s.ty,
+                op: s.op,
+                total: s.bytes as u64,
+                off: off as u64,
+                len: (end - off) as u64,
+                chunk: chunk as u32,
+            };
+            scratch.buf[k * Header::LEN..][..Header::LEN].copy_from_slice(&h.encode());
+        }
+        let along = |k: usize| Stream::new(chunks[k].len());
+        let c = Coll {
+            kind: Kind::AllReduce,
+            tag: op_tags(seq),
+            served: true,
+            hdr: (0..m).map(|_| Stream::new(1)).collect(),
+            p1_send: (0..m).map(along).collect(),
+            p1_recv: Vec::new(),
+            p2_send: Vec::new(),
+            p2_recv: (0..m).map(along).collect(),
+            ready: 0,
+            chunks,
+            s,
+            scratch,
+            clean: true,
+            g,
+        };
+        Ok(c.launch())
+    }
+
+    /// One step through the reducers: the header, then the shard's chunks
+    /// up to reducer k and its reduced chunks back into place (in place
+    /// only once the same bytes went up).
+    fn step_served(&mut self) -> Result<bool> {
+        let m = self.g.reducers.len();
+        let (hdr, hmh) = (self.scratch.buf.as_ptr() as usize, self.scratch.mh);
+        let hazard = self.s.hazard;
+        for k in 0..m {
+            let at = |e: Error| {
+                e.context(format!(
+                    "reducer {k} of {m} (if it ended the group, its log says why)"
+                ))
+            };
+            let (up, down) = self.g.reducers[k];
+            let (g, t, ch, s) = (&self.g, self.tag, &self.chunks, &self.s);
+            pump(
+                &mut self.hdr[k],
+                |_| true,
+                // SAFETY: header k in the registered scratch, kept until done.
+                |_| unsafe { send(up, hdr + k * Header::LEN, Header::LEN, HEADER_TAG, hmh) },
+            )
+            .map_err(at)?;
+            let (sk, src) = (s.shards[k].0, s.p1_src[k]);
+            pump(
+                &mut self.p1_send[k],
+                |_| true,
+                |c| {
+                    let c = ch[k][c];
+                    // SAFETY: chunk c of shard k of NCCL's input, registered with smh.
+                    unsafe { send(up, src + (c.off - sk), c.len, t[0], s.smh) }
+                },
+            )
+            .map_err(at)?;
+            let (dst, sent) = (s.p2_dst[k], &self.p1_send[k]);
+            pump(
+                &mut self.p2_recv[k],
+                |c| !hazard || sent.done[c],
+                |c| {
+                    let c = ch[k][c];
+                    // SAFETY: chunk c of shard k's place in NCCL's output, registered.
+                    unsafe { recv(down, dst + (c.off - sk), c.len, t[1], s.p2_dst_mh) }
+                },
+            )
+            .map_err(at)?;
+            let whole = [Chunk {
+                off: 0,
+                len: Header::LEN,
+            }];
+            self.hdr[k].test(&whole, &AtomicU64::new(0)).map_err(at)?;
+            self.p1_send[k].test(&ch[k], &g.sent).map_err(at)?;
+            self.p2_recv[k].test(&ch[k], &g.received).map_err(at)?;
+        }
+        Ok((0..m).all(|k| {
+            self.hdr[k].finished() && self.p1_send[k].finished() && self.p2_recv[k].finished()
+        }))
     }
 
     /// One step: posts what may go, tests what is in flight, reduces what
     /// arrived. `true` once everything is done.
     fn step(&mut self) -> Result<bool> {
+        if self.served {
+            return self.step_served();
+        }
         let n = self.g.nranks;
         let me = self.g.rank;
         let my0 = self.s.shards[me].0;
@@ -696,7 +943,7 @@ impl Coll {
                 |k| {
                     let c = ch[j][k];
                     // SAFETY: chunk k of shard j of NCCL's input, registered with smh.
-                    unsafe { send(g, j, src + (c.off - sj), c.len, t[0], self.s.smh) }
+                    unsafe { send(g.send[j], src + (c.off - sj), c.len, t[0], self.s.smh) }
                 },
             )
             .map_err(at)?;
@@ -707,7 +954,7 @@ impl Coll {
                 |k| {
                     let c = ch[me][k];
                     // SAFETY: rank j's slot of this request's registered scratch.
-                    unsafe { recv(g, j, slot + (c.off - my0), c.len, t[0], scratch_mh) }
+                    unsafe { recv(g.recv[j], slot + (c.off - my0), c.len, t[0], scratch_mh) }
                 },
             )
             .map_err(at)?;
@@ -737,8 +984,7 @@ impl Coll {
                     // SAFETY: chunk k of my part of NCCL's buffer, registered.
                     unsafe {
                         send(
-                            g,
-                            j,
+                            g.send[j],
                             self.s.p2_src + (c.off - my0),
                             c.len,
                             t[1],
@@ -756,7 +1002,7 @@ impl Coll {
                 |k| {
                     let c = ch[j][k];
                     // SAFETY: chunk k of shard j's place in NCCL's output, registered.
-                    unsafe { recv(g, j, dst + (c.off - sj), c.len, t[1], self.s.p2_dst_mh) }
+                    unsafe { recv(g.recv[j], dst + (c.off - sj), c.len, t[1], self.s.p2_dst_mh) }
                 },
             )
             .map_err(at)?;
@@ -839,6 +1085,7 @@ impl Coll {
             .chain(&mut self.p1_recv)
             .chain(&mut self.p2_send)
             .chain(&mut self.p2_recv)
+            .chain(&mut self.hdr)
         {
             for (_, q) in s.inflight.drain(..) {
                 while matches!(core::test(p(q)), Ok(None)) {
@@ -862,6 +1109,7 @@ impl Coll {
 
 impl Drop for Coll {
     fn drop(&mut self) {
+        self.g.live.fetch_sub(1, Ordering::Relaxed);
         let s = std::mem::take(&mut self.scratch);
         if self.clean {
             self.g.give_back(s);
@@ -920,21 +1168,27 @@ pub unsafe fn iallreduce(
         return Err(Error::internal("CollNet iallreduce: NULL buffer"));
     }
     let (smh, rmh) = (core_mh(smh, "iallreduce")?, core_mh(rmh, "iallreduce")?);
-    let n = g.nranks;
-    let shards = even_shards(count, dt.size(), n);
+    // Shards are the ranks' or, through reducers, the reducers'.
+    let served = !g.reducers.is_empty();
+    let owners = if served { g.reducers.len() } else { g.nranks };
+    let shards = even_shards(count, dt.size(), owners);
     let (send, recv) = (send as usize, recv as usize);
+    let mine = if served { 0 } else { recv + shards[g.rank].0 };
     let spec = Spec {
         ty: dt,
         op: rop,
         bytes,
         p1_src: shards.iter().map(|s| send + s.0).collect(),
-        p1_out: recv + shards[g.rank].0,
+        p1_out: mine,
         smh,
-        p2_src: recv + shards[g.rank].0,
+        p2_src: mine,
         p2_dst: shards.iter().map(|s| recv + s.0).collect(),
         p2_src_mh: rmh,
         p2_dst_mh: rmh,
-        hazard: true,
+        // Through reducers a chunk's result exists only once the reducer
+        // has every rank's copy of it, mine included: it cannot overwrite
+        // bytes I still send, in place or not.
+        hazard: !served,
         shards,
     };
     Coll::start(g, Kind::AllReduce, spec)

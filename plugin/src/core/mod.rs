@@ -323,6 +323,11 @@ pub fn peer_timeout() -> Result<std::time::Duration> {
     Ok(plugin()?.config.peer_timeout)
 }
 
+/// `WEFT_COLLNET_REDUCERS` of the running plugin.
+pub fn collnet_reducers() -> Result<Vec<crate::config::ReducerRef>> {
+    Ok(plugin()?.config.collnet_reducers.clone())
+}
+
 /// `getProperties(dev)`.
 pub fn properties(dev: i32) -> Result<Properties> {
     with_properties(dev, |p| Ok(p.clone()))
