@@ -32,6 +32,20 @@ pub fn plugin_path() -> PathBuf {
         .unwrap_or_else(|| dir.join("libnccl_net_weft.so"))
 }
 
+/// A program of the `weft` package (`weft`, `weft-reducer`), built beside
+/// the plugin by `./weft test` and by `cargo test --workspace`.
+pub fn weft_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe.parent().expect("exe dir");
+    [dir, dir.parent().unwrap_or(dir)]
+        .iter()
+        .map(|d| d.join(name))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| {
+            panic!("{name} is not built: run `cargo build -p weft` (./weft test does)")
+        })
+}
+
 /// The NCCL releases that pick each net API version (reference §4.3).
 pub fn releases(version: u32) -> &'static str {
     weft::NCCL_RELEASES

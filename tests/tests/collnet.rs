@@ -551,27 +551,98 @@ fn tcp_gather_and_scatter_two_ranks() {
 }
 
 const PEER: &str = env!("CARGO_BIN_EXE_weft-peer");
+use weft_tests::peer::{hex, unhex, Peer};
 
-/// Rank 0 here, rank 1 in a peer process: the group is built across two
-/// processes (each `connect` blocks until both are in).
-fn two_process_group(provider: &str) -> (weft_tests::peer::Peer, *mut c_void, *mut c_void) {
-    use weft_tests::peer::{hex, unhex, Peer};
-    let mut peer = Peer::spawn(PEER);
-    peer.cmd(&format!("init {provider}"));
+/// Rank 1 in a peer process: see [`process_group`].
+fn two_process_group(provider: &str) -> (Peer, *mut c_void, *mut c_void) {
+    let (mut peers, ctx, g) = process_group(provider, 2);
+    (peers.pop().expect("rank 1"), ctx, g)
+}
+
+/// Rank 0 here, ranks 1.. in peer processes: the group is built across `n`
+/// processes (each `connect` blocks until all are in). The peers inherit
+/// this process's environment (`WEFT_COLLNET_REDUCERS` among it).
+fn process_group(provider: &str, n: usize) -> (Vec<Peer>, *mut c_void, *mut c_void) {
+    let mut peers: Vec<Peer> = (1..n).map(|_| Peer::spawn(PEER)).collect();
     let ctx = host::init(provider);
-    let h1 = unhex(
-        peer.cmd("coll-listen")
-            .strip_prefix("handle ")
-            .expect("handle"),
-    )
-    .unwrap();
-    let mut h0 = [0u8; HANDLE_SIZE];
-    let l = collnet::listen(ctx, 0, &mut h0).expect("listen");
-    peer.start(&format!("coll-connect 1 {} {}", hex(&h0), hex(&h1)));
-    let g = collnet::connect(&[h0, h1], 0, l).expect("connect across processes");
+    let mut hs = vec![[0u8; HANDLE_SIZE]; n];
+    for (i, peer) in peers.iter_mut().enumerate() {
+        peer.cmd(&format!("init {provider}"));
+        let h = peer.cmd("coll-listen");
+        hs[i + 1] = unhex(h.strip_prefix("handle ").expect("handle")).unwrap();
+    }
+    let l = collnet::listen(ctx, 0, &mut hs[0]).expect("listen");
+    let all: Vec<String> = hs.iter().map(|h| hex(h)).collect();
+    for (i, peer) in peers.iter_mut().enumerate() {
+        peer.start(&format!("coll-connect {} {}", i + 1, all.join(" ")));
+    }
+    let g = collnet::connect(&hs, 0, l).expect("connect across processes");
     collnet::close_listen(l).unwrap();
-    assert_eq!(peer.reply(), "ok");
-    (peer, ctx, g)
+    for peer in &mut peers {
+        assert_eq!(peer.reply(), "ok");
+    }
+    (peers, ctx, g)
+}
+
+/// A `weft-reducer` process; killed when dropped, unless it exited.
+struct ReducerProc {
+    child: std::process::Child,
+    hex: String,
+}
+
+impl ReducerProc {
+    /// Starts one over `provider` on loopback that exits after serving one
+    /// group, and points this process (and the peers it spawns later) at it.
+    fn start(provider: &str) -> Self {
+        use std::io::BufRead;
+        host::configure(provider);
+        let mut child = std::process::Command::new(weft_tests::emu::weft_bin("weft-reducer"))
+            .args(["--groups", "1"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn weft-reducer");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("the reducer's handle");
+        let hex = line
+            .trim()
+            .strip_prefix("handle ")
+            .unwrap_or_else(|| panic!("weft-reducer said {line:?}"))
+            .to_owned();
+        std::env::set_var("WEFT_COLLNET_REDUCERS", &hex);
+        Self { child, hex }
+    }
+
+    /// Waits for it to exit (it does once its group ended): its stderr.
+    fn finish(mut self) -> String {
+        use std::io::Read;
+        let mut err = String::new();
+        self.child
+            .stderr
+            .take()
+            .expect("stderr")
+            .read_to_string(&mut err)
+            .unwrap();
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "weft-reducer: {status}\n{err}");
+        err
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        weft::fabric::local::remove_shm_regions(self.child.id());
+    }
+}
+
+impl Drop for ReducerProc {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            self.kill();
+        }
+    }
 }
 
 /// The test pattern's all-reduce on rank 0 (the peer runs its half).
@@ -585,20 +656,32 @@ fn start_allreduce(g: *mut c_void, count: usize) -> (Vec<f32>, *mut c_void, *mut
 }
 
 fn across_processes(provider: &str) {
-    let (mut peer, ctx, g) = two_process_group(provider);
-    let count = 3 * (collnet::CHUNK / 4) + 1;
-    peer.start(&format!("coll-allreduce 1 2 {count}"));
+    across(provider, 2, 3 * (collnet::CHUNK / 4) + 1);
+}
+
+/// An all-reduce of `count` floats over `n` processes (each checks its
+/// result: the peers [`weft_tests::peer`]'s pattern, rank 0 here).
+fn across(provider: &str, n: usize, count: usize) {
+    let (mut peers, ctx, g) = process_group(provider, n);
+    for (i, peer) in peers.iter_mut().enumerate() {
+        peer.start(&format!("coll-allreduce {} {n} {count}", i + 1));
+    }
     let (v, mh, q) = start_allreduce(g, count);
     weft_tests::poll_until("the all-reduce", || collnet::test(q).unwrap());
-    assert_eq!(peer.reply(), "ok", "{provider}: the peer's result");
+    for peer in &mut peers {
+        assert_eq!(peer.reply(), "ok", "{provider}: a peer's result");
+    }
+    let tri = (n * (n + 1) / 2) as f32;
     assert!(
         v.iter()
             .enumerate()
-            .all(|(i, &x)| x == (i % 1000) as f32 * 3.0),
+            .all(|(i, &x)| x == (i % 1000) as f32 * tri),
         "{provider}: rank 0's result"
     );
     collnet::dereg_mr(mh).unwrap();
-    peer.quit();
+    for peer in peers {
+        peer.quit();
+    }
     collnet::close_coll(g).unwrap();
     core::finalize(ctx).unwrap();
 }
@@ -803,4 +886,107 @@ fn tcp_ranks_that_disagree_fail_and_the_reducer_says_why() {
     println!("reducer: {}", why.text);
     assert_eq!(why.level, weft::log::level::WARN);
     assert!(why.text.contains("ranks 0 and 1") && why.text.contains("len: 4000"));
+}
+
+/// Four processes, four ranks, the in-plugin algorithm.
+#[test]
+fn tcp_four_processes() {
+    weft_tests::isolated!();
+    across("tcp", 4, 300_001);
+}
+
+/// Four processes through a `weft-reducer` process: three ranks (this
+/// process and two peers) and the reducer, which counts what it did.
+fn through_a_reducer_process(provider: &str) {
+    let reducer = ReducerProc::start(provider);
+    let count = 3 * (collnet::CHUNK / 4) + 1;
+    across(provider, 3, count);
+    let log = reducer.finish();
+    println!("{provider}: weft-reducer said:\n{log}");
+    let bytes = 3 * count * 4;
+    assert!(
+        log.contains(&format!(
+            "1 groups served (0 failed), 1 all-reduces, {bytes} bytes in, {bytes} bytes out"
+        )),
+        "{provider}: {log}"
+    );
+}
+
+#[test]
+fn tcp_through_a_reducer_process() {
+    weft_tests::isolated!();
+    through_a_reducer_process("tcp");
+}
+
+#[test]
+fn shm_through_a_reducer_process() {
+    weft_tests::isolated!();
+    through_a_reducer_process("shm");
+}
+
+/// Through a reducer, a rank killed or the reducer killed while an
+/// all-reduce waits: rank 0's request fails within the peer timeout (the
+/// reducer ends the group when a rank dies; rank 0 sees the reducer die).
+fn killed_through_a_reducer(provider: &str, kill_the_reducer: bool) {
+    const T: u64 = 2;
+    std::env::set_var("WEFT_PEER_TIMEOUT", T.to_string());
+    let mut reducer = ReducerProc::start(provider);
+    let (peer, ctx, g) = two_process_group(provider);
+    let (_v, mh, q) = start_allreduce(g, 100_000);
+    for _ in 0..1000 {
+        assert!(collnet::test(q).unwrap().is_none(), "done without rank 1");
+    }
+    let killed = std::time::Instant::now();
+    if kill_the_reducer {
+        reducer.kill();
+    } else {
+        peer.kill();
+    }
+    let err = weft_tests::poll_until("the all-reduce to fail", || match collnet::test(q) {
+        Ok(None) => None,
+        Ok(Some(_)) => panic!("{provider}: an all-reduce completed"),
+        Err(e) => Some(e),
+    });
+    let took = killed.elapsed();
+    println!("{provider}: failed {took:?} after the kill: {err}");
+    assert_eq!(err.code, core::Code::Remote, "{provider}: {err}");
+    assert!(err.msg.contains("reducer 0 of 1"), "{provider}: {err}");
+    assert!(
+        took < std::time::Duration::from_secs(2 * T + 3),
+        "{provider}: took {took:?}"
+    );
+    collnet::dereg_mr(mh).unwrap();
+    collnet::close_coll(g).unwrap();
+    core::finalize(ctx).unwrap();
+    if !kill_the_reducer {
+        let log = reducer.finish();
+        assert!(
+            log.contains("1 groups served (1 failed)"),
+            "{provider}: {log}"
+        );
+    }
+}
+
+#[test]
+fn tcp_rank_killed_through_a_reducer() {
+    weft_tests::isolated!();
+    killed_through_a_reducer("tcp", false);
+}
+
+#[test]
+fn shm_rank_killed_through_a_reducer() {
+    weft_tests::isolated!();
+    killed_through_a_reducer("shm", false);
+}
+
+#[test]
+fn tcp_reducer_killed() {
+    weft_tests::isolated!();
+    killed_through_a_reducer("tcp", true);
+}
+
+#[test]
+fn shm_reducer_killed() {
+    weft_tests::isolated!();
+    killed_through_a_reducer("shm", true);
 }

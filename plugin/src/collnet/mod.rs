@@ -453,6 +453,76 @@ impl CollComm {
         Ok(Scratch { buf, mh })
     }
 
+    /// Tells every reducer this rank closes the group (a header with `bye`),
+    /// so that the reducer ends it between operations rather than finding
+    /// its comms closed; waits up to the peer timeout for the sends. Best
+    /// effort: a reducer that is gone is only logged.
+    fn bye(&self) {
+        let m = self.reducers.len();
+        if m == 0 {
+            return;
+        }
+        let mut s = match self.take_scratch(m * Header::LEN) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(target: "weft::collnet", "CollNet closeColl: no goodbye to the reducers: {e}");
+                return;
+            }
+        };
+        let bye = Header {
+            bye: true,
+            seq: 0,
+            ty: DataType::U8,
+            op: RedOp::Sum,
+            total: 0,
+            off: 0,
+            len: 0,
+            chunk: 1,
+        };
+        for k in 0..m {
+            s.buf[k * Header::LEN..][..Header::LEN].copy_from_slice(&bye.encode());
+        }
+        let deadline = Instant::now() + core::peer_timeout().unwrap_or(Duration::from_secs(30));
+        let mut q: Vec<Option<usize>> = vec![None; m];
+        let mut left: Vec<usize> = (0..m).collect();
+        let at = s.buf.as_ptr() as usize;
+        while !left.is_empty() && Instant::now() < deadline {
+            left.retain(|&k| {
+                let mut step = || -> Result<bool> {
+                    if q[k].is_none() {
+                        let c = self.reducers[k].0;
+                        // SAFETY: header k of the registered scratch, kept
+                        // until the request ends (or the deadline leaks it).
+                        q[k] = unsafe {
+                            send(c, at + k * Header::LEN, Header::LEN, HEADER_TAG, s.mh)
+                        }?
+                        .map(|q| q as usize);
+                    }
+                    Ok(match q[k] {
+                        Some(r) => core::test(p(r))?.is_some(),
+                        None => false,
+                    })
+                };
+                match step() {
+                    Ok(done) => !done,
+                    Err(e) => {
+                        tracing::info!(target: "weft::collnet",
+                            "CollNet closeColl: no goodbye to reducer {k} of {m}: {e}");
+                        false
+                    }
+                }
+            });
+            std::thread::yield_now();
+        }
+        if left.is_empty() {
+            self.give_back(s);
+        } else {
+            std::mem::forget(s);
+            tracing::warn!(target: "weft::collnet",
+                "CollNet closeColl: reducers {left:?} did not take this rank's goodbye within WEFT_PEER_TIMEOUT; closing anyway");
+        }
+    }
+
     /// Keeps `s` for a later operation (the smallest goes when too many are kept).
     fn give_back(&self, s: Scratch) {
         if s.buf.is_empty() {
@@ -473,13 +543,14 @@ impl CollComm {
     }
 }
 
-/// `closeColl`: closes the group's comms.
+/// `closeColl`: says goodbye to the reducers, closes the group's comms.
 pub fn close_coll(c: *mut c_void) -> Result<()> {
     let g = COMMS.remove(c).ok_or_else(|| {
         Error::internal(format!(
             "CollNet closeColl: {c:p} is not a live collective comm"
         ))
     })?;
+    g.bye();
     let mut first = Ok(());
     for s in std::mem::take(&mut *g.pool.lock().unwrap_or_else(|e| e.into_inner())) {
         if s.mh != 0 {
@@ -821,6 +892,7 @@ impl Coll {
         let mut scratch = g.take_scratch(m * Header::LEN)?;
         for (k, &(off, end)) in s.shards.iter().enumerate() {
             let h = Header {
+                bye: false,
                 seq,
                 ty: s.ty,
                 op: s.op,

@@ -153,6 +153,8 @@ struct Group {
     greet: Vec<Q>,
     hdr: Vec<Q>,
     ops: VecDeque<Op>,
+    /// Every rank said goodbye.
+    bye: bool,
     free: Vec<Buf>,
     done: u64,
     bytes_in: u64,
@@ -252,27 +254,29 @@ impl Reducer {
         let mut progressed = self.accept();
         let mut i = 0;
         while i < self.groups.len() {
-            match self.groups[i].step(self.ctx, self.dev, self.timeout) {
-                Ok(moved) => {
+            let step = self.groups[i].step(self.ctx, self.dev, self.timeout);
+            let g = &mut self.groups[i];
+            self.stats.bytes_in += std::mem::take(&mut g.bytes_in);
+            self.stats.bytes_out += std::mem::take(&mut g.bytes_out);
+            self.stats.ops += std::mem::take(&mut g.done);
+            let why = match step {
+                Ok(moved) if !g.bye => {
                     progressed |= moved;
-                    let g = &mut self.groups[i];
-                    self.stats.bytes_in += std::mem::take(&mut g.bytes_in);
-                    self.stats.bytes_out += std::mem::take(&mut g.bytes_out);
-                    self.stats.ops += std::mem::take(&mut g.done);
                     i += 1;
+                    continue;
                 }
-                Err(e) => {
-                    let g = self.groups.swap_remove(i);
-                    if g.busy() {
-                        self.stats.failed += 1;
-                    }
-                    if g.phase != Phase::Joining {
-                        self.stats.ended += 1;
-                    }
-                    g.end(e, self.timeout);
-                    progressed = true;
-                }
+                Ok(_) => None,
+                Err(e) => Some(e),
+            };
+            let g = self.groups.swap_remove(i);
+            if why.is_some() && g.busy() {
+                self.stats.failed += 1;
             }
+            if g.phase != Phase::Joining {
+                self.stats.ended += 1;
+            }
+            g.end(why, self.timeout);
+            progressed = true;
         }
         progressed
     }
@@ -376,6 +380,7 @@ impl Reducer {
                     greet: vec![Q::Todo; n],
                     hdr: vec![Q::Todo; n],
                     ops: VecDeque::new(),
+                    bye: false,
                     free: Vec::new(),
                     done: 0,
                     bytes_in: 0,
@@ -553,6 +558,10 @@ impl Group {
                     )));
                 }
             }
+            if h.bye {
+                self.bye = true;
+                return Ok(true);
+            }
             self.ops.push_back(Op {
                 h,
                 tags: op_tags(h.seq),
@@ -676,18 +685,16 @@ impl Group {
         Ok(progressed)
     }
 
-    /// Ends the group after `e`: waits (up to the peer timeout) for what is
-    /// posted, closes the comms, frees what the provider no longer holds.
-    fn end(self, e: Error, timeout: Duration) {
-        let busy = self.busy();
-        let what = format!(
-            "reducer: group {:016x} ({} ranks) ended: {e}",
-            self.key, self.n
-        );
-        if busy {
-            tracing::warn!(target: "weft::collnet", "{what}");
-        } else {
-            tracing::info!(target: "weft::collnet", "{what} (no operation in progress: the ranks closed the group)");
+    /// Ends the group, because its ranks said goodbye (`why` is `None`) or
+    /// after an error: waits (up to the peer timeout) for what is posted,
+    /// closes the comms, frees what the provider no longer holds.
+    fn end(self, why: Option<Error>, timeout: Duration) {
+        let what = format!("reducer: group {:016x} ({} ranks)", self.key, self.n);
+        match why {
+            None => tracing::info!(target: "weft::collnet", "{what}: every rank closed it"),
+            Some(e) if self.busy() => tracing::warn!(target: "weft::collnet", "{what} ended: {e}"),
+            Some(e) => tracing::info!(target: "weft::collnet",
+                "{what} ended between operations (its ranks went away without closing it): {e}"),
         }
         let deadline = Instant::now() + timeout;
         let mut clean = true;
@@ -724,7 +731,10 @@ impl Group {
 impl Drop for Reducer {
     fn drop(&mut self) {
         for g in std::mem::take(&mut self.groups) {
-            g.end(Error::remote("the reducer is shutting down"), self.timeout);
+            g.end(
+                Some(Error::remote("the reducer is shutting down")),
+                self.timeout,
+            );
         }
         for pd in std::mem::take(&mut self.pending) {
             close_pending(pd);

@@ -122,9 +122,11 @@ impl Join {
 /// What opens an all-reduce at a reducer: the operation's number, type and
 /// op, the shard this reducer reduces (offset and length in bytes of the
 /// operation's buffer) and the chunk size it travels in. Every rank sends
-/// the same header; the reducer checks that they agree.
+/// the same header; the reducer checks that they agree. A header with
+/// `bye` set instead says the rank closes the group (`closeColl`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
+    pub bye: bool,
     pub seq: u32,
     pub ty: DataType,
     pub op: RedOp,
@@ -144,6 +146,7 @@ impl Header {
         b[4..8].copy_from_slice(&self.seq.to_le_bytes());
         b[8] = self.ty as u8;
         b[9] = self.op as u8;
+        b[10] = u8::from(self.bye);
         b[16..24].copy_from_slice(&self.total.to_le_bytes());
         b[24..32].copy_from_slice(&self.off.to_le_bytes());
         b[32..40].copy_from_slice(&self.len.to_le_bytes());
@@ -163,7 +166,11 @@ impl Header {
             .ok_or_else(|| bad(W, format!("unknown data type {}", b[8])))?;
         let op = RedOp::from_nccl(i32::from(b[9]))
             .ok_or_else(|| bad(W, format!("unknown reduction op {}", b[9])))?;
+        if b[10] > 1 {
+            return Err(bad(W, format!("bye flag {}", b[10])));
+        }
         let h = Header {
+            bye: b[10] == 1,
             seq: u32_at(b, 4),
             ty,
             op,
@@ -244,6 +251,7 @@ mod tests {
 
     fn header() -> Header {
         Header {
+            bye: false,
             seq: 9,
             ty: DataType::Bf16,
             op: RedOp::Max,
@@ -258,6 +266,11 @@ mod tests {
     fn round_trips() {
         assert_eq!(Join::decode(&join().encode()), Ok(join()));
         assert_eq!(Header::decode(&header().encode()), Ok(header()));
+        let bye = Header {
+            bye: true,
+            ..header()
+        };
+        assert_eq!(Header::decode(&bye.encode()), Ok(bye));
         let h = [0xa5u8; HANDLE_SIZE];
         assert_eq!(from_hex(&format!(" {}\n", to_hex(&h))), Some(h));
         assert_eq!(from_hex("abc"), None);
@@ -286,6 +299,9 @@ mod tests {
         let mut b = h;
         b[8] = 200;
         assert!(Header::decode(&b).unwrap_err().why.contains("type"));
+        let mut b = h;
+        b[10] = 2;
+        assert!(Header::decode(&b).unwrap_err().why.contains("bye"));
         let mut b = h;
         b[9] = 77;
         assert!(Header::decode(&b).unwrap_err().why.contains("op"));
