@@ -587,7 +587,6 @@ fn process_group(provider: &str, n: usize) -> (Vec<Peer>, *mut c_void, *mut c_vo
 /// A `weft-reducer` process; killed when dropped, unless it exited.
 struct ReducerProc {
     child: std::process::Child,
-    hex: String,
 }
 
 impl ReducerProc {
@@ -612,7 +611,7 @@ impl ReducerProc {
             .unwrap_or_else(|| panic!("weft-reducer said {line:?}"))
             .to_owned();
         std::env::set_var("WEFT_COLLNET_REDUCERS", &hex);
-        Self { child, hex }
+        Self { child }
     }
 
     /// Waits for it to exit (it does once its group ended): its stderr.

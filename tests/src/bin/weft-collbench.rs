@@ -1,15 +1,16 @@
-//! CollNet all-reduce against a ring all-reduce over the net comms, in one
-//! run, same ranks, same buffers.
+//! CollNet all-reduce, in-plugin and through reduction servers, against a
+//! ring all-reduce over the net comms, in one run, same ranks, same buffers.
 //!
 //! ```text
-//! weft-collbench [--providers shm,tcp] [--ranks 2] [--sizes 65536,1048576,16777216]
-//!                [--reps 5] [--quick]
+//! weft-collbench [--providers shm,tcp] [--ranks 2] [--reducers 1]
+//!                [--sizes 65536,1048576,16777216] [--reps 5] [--quick]
 //! ```
 //!
 //! Each provider runs in a process of its own (a process fixes its
-//! provider at its first init); the ranks are threads of that process,
-//! each with its own context. For every size (bytes of fp32, sum) both
-//! algorithms run `--reps` times, alternating; the table gives rank 0's
+//! provider at its first init); the ranks and the reducers
+//! (`collnet::reducer`, what `weft-reducer` runs) are threads of that
+//! process, each with its own context. For every size (bytes of fp32, sum)
+//! every algorithm runs `--reps` times, in rotating order; the table gives rank 0's
 //! median time, algorithm bandwidth (size / time) and bus bandwidth
 //! (algbw x 2(n-1)/n, NCCL's convention), and the payload bytes rank 0
 //! sent and received per operation, counted by each implementation.
@@ -18,6 +19,9 @@ use std::ffi::c_void;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use weft::collnet::reducer::Reducer;
 use weft::collnet::{self, reduce};
 use weft::core::{self, RecvArg};
 use weft::proto::wire::HANDLE_SIZE;
@@ -97,6 +101,7 @@ impl Ring {
                 if start.elapsed() > Duration::from_secs(120) {
                     return Err("a ring step did not finish in 120 s".into());
                 }
+                std::thread::yield_now();
             }
             sent += (sb - sa) as u64;
             got += (rb - ra) as u64;
@@ -128,20 +133,66 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// One provider: `n` ranks as threads.
-fn one(provider: &'static str, n: usize, sizes: Vec<usize>, reps: usize) -> Res<()> {
+/// The all-reduces compared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Alg {
+    /// CollNet, reduced among the ranks.
+    InPlugin,
+    /// CollNet through the reducers.
+    Reducers,
+    /// A ring over the net comms.
+    Ring,
+}
+
+/// One result row: size, algorithm, median seconds, payload bytes (sent,
+/// received) per operation at rank 0.
+type Row = (usize, Alg, f64, (u64, u64));
+
+/// One provider: `n` ranks and `m` reducers as threads.
+fn one(provider: &'static str, n: usize, m: usize, sizes: Vec<usize>, reps: usize) -> Res<()> {
+    let algs: Vec<Alg> = if m > 0 {
+        vec![Alg::InPlugin, Alg::Reducers, Alg::Ring]
+    } else {
+        vec![Alg::InPlugin, Alg::Ring]
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reducers: Vec<_> = (0..m)
+        .map(|k| {
+            let (stop, tx) = (Arc::clone(&stop), tx.clone());
+            std::thread::spawn(move || -> Res<()> {
+                let e = |e: weft::error::Error| e.to_string();
+                let ctx = host::init(provider);
+                let mut r = Reducer::new(ctx, 0).map_err(e)?;
+                tx.send((k, r.handle())).map_err(|e| e.to_string())?;
+                r.run(|_| stop.load(Ordering::Relaxed));
+                drop(r);
+                core::finalize(ctx).map_err(e)
+            })
+        })
+        .collect();
+    let mut red_h = vec![[0u8; HANDLE_SIZE]; m];
+    for _ in 0..m {
+        let (k, h) = rx.recv().map_err(|e| e.to_string())?;
+        red_h[k] = h;
+    }
+    let red_h = Arc::new(red_h);
     let coll_h = Arc::new(Mutex::new(vec![[0u8; HANDLE_SIZE]; n]));
+    let served_h = Arc::new(Mutex::new(vec![[0u8; HANDLE_SIZE]; n]));
     let ring_h = Arc::new(Mutex::new(vec![[0u8; HANDLE_SIZE]; n]));
     let barrier = Arc::new(Barrier::new(n));
-    let rows = Arc::new(Mutex::new(Vec::new()));
+    let rows: Arc<Mutex<Vec<Row>>> = Arc::new(Mutex::new(Vec::new()));
     let threads: Vec<_> = (0..n)
         .map(|rank| {
-            let (coll_h, ring_h, barrier, rows, sizes) = (
+            let (coll_h, served_h, ring_h, red_h, barrier, rows, sizes, algs) = (
                 Arc::clone(&coll_h),
+                Arc::clone(&served_h),
                 Arc::clone(&ring_h),
+                Arc::clone(&red_h),
                 Arc::clone(&barrier),
                 Arc::clone(&rows),
                 sizes.clone(),
+                algs.clone(),
             );
             std::thread::spawn(move || -> Res<()> {
                 let e = |e: weft::error::Error| e.to_string();
@@ -149,13 +200,22 @@ fn one(provider: &'static str, n: usize, sizes: Vec<usize>, reps: usize) -> Res<
                 let mut h = [0u8; HANDLE_SIZE];
                 let cl = collnet::listen(ctx, 0, &mut h).map_err(e)?;
                 coll_h.lock().unwrap()[rank] = h;
+                let sl = collnet::listen(ctx, 0, &mut h).map_err(e)?;
+                served_h.lock().unwrap()[rank] = h;
                 let (rh, rl) = host::listen(ctx);
                 ring_h.lock().unwrap()[rank] = rh;
                 barrier.wait();
                 let hs = coll_h.lock().unwrap().clone();
-                let mut next = ring_h.lock().unwrap()[(rank + 1) % n];
-                let g = collnet::connect(&hs, rank, cl).map_err(e)?;
+                let g = collnet::connect_with(&hs, rank, cl, &[]).map_err(e)?;
                 collnet::close_listen(cl).map_err(e)?;
+                let gs = if m > 0 {
+                    let hs = served_h.lock().unwrap().clone();
+                    Some(collnet::connect_with(&hs, rank, sl, &red_h).map_err(e)?)
+                } else {
+                    None
+                };
+                collnet::close_listen(sl).map_err(e)?;
+                let mut next = ring_h.lock().unwrap()[(rank + 1) % n];
                 // The ring: connect to the next rank while accepting from the previous.
                 let (mut s, mut r) = (None, None);
                 while s.is_none() || r.is_none() {
@@ -177,51 +237,64 @@ fn one(provider: &'static str, n: usize, sizes: Vec<usize>, reps: usize) -> Res<
                     let count = size / 4;
                     let mut buf: Vec<f32> = (0..count).map(|i| (i % 100) as f32).collect();
                     let mut tmp = vec![0u8; size / n + 8];
-                    let cmh = collnet::reg_mr(g, buf.as_mut_ptr().cast(), size, 1).map_err(e)?;
-                    let rmh = core::reg_mr(p(ring.send), buf.as_mut_ptr().cast(), size, 1)
-                        .map_err(e)? as usize;
+                    let ptr: *mut c_void = buf.as_mut_ptr().cast();
+                    let cmh = collnet::reg_mr(g, ptr, size, 1).map_err(e)?;
+                    let smh = match gs {
+                        Some(gs) => collnet::reg_mr(gs, ptr, size, 1).map_err(e)?,
+                        None => std::ptr::null_mut(),
+                    };
+                    let rmh = core::reg_mr(p(ring.send), ptr, size, 1).map_err(e)? as usize;
                     let tmh = core::reg_mr(p(ring.send), tmp.as_mut_ptr().cast(), tmp.len(), 1)
                         .map_err(e)? as usize;
-                    let (mut tc, mut tr) = (Vec::new(), Vec::new());
-                    let (mut cbytes, mut rbytes) = ((0, 0), (0, 0));
+                    let mut times = vec![Vec::new(); algs.len()];
+                    let mut bytes = vec![(0, 0); algs.len()];
                     for rep in 0..reps {
-                        for which in if rep % 2 == 0 { [0, 1] } else { [1, 0] } {
+                        // Each algorithm first in turn, so none always follows the same one.
+                        for i in (0..algs.len()).map(|i| (i + rep) % algs.len()) {
                             barrier.wait();
                             let t0 = Instant::now();
-                            if which == 0 {
-                                let before = collnet::bytes_moved(g).map_err(e)?;
-                                let ptr: *mut c_void = buf.as_mut_ptr().cast();
-                                // SAFETY: registered, in place, outlives the request.
-                                let q = unsafe {
-                                    collnet::iallreduce(g, ptr, ptr, count, 7, 0, cmh, cmh)
+                            let (group, mh) = match algs[i] {
+                                Alg::InPlugin => (g, cmh),
+                                Alg::Reducers => (gs.expect("reducers"), smh),
+                                Alg::Ring => {
+                                    bytes[i] = ring.allreduce(&mut buf, rmh, &mut tmp, tmh)?;
+                                    times[i].push(t0.elapsed().as_secs_f64());
+                                    continue;
                                 }
-                                .map_err(e)?;
-                                while collnet::test(q).map_err(e)?.is_none() {}
-                                tc.push(t0.elapsed().as_secs_f64());
-                                let after = collnet::bytes_moved(g).map_err(e)?;
-                                cbytes = (after.0 - before.0, after.1 - before.1);
-                            } else {
-                                rbytes = ring.allreduce(&mut buf, rmh, &mut tmp, tmh)?;
-                                tr.push(t0.elapsed().as_secs_f64());
+                            };
+                            let before = collnet::bytes_moved(group).map_err(e)?;
+                            // SAFETY: registered, in place, outlives the request.
+                            let q = unsafe {
+                                collnet::iallreduce(group, ptr, ptr, count, 7, 0, mh, mh)
                             }
+                            .map_err(e)?;
+                            while collnet::test(q).map_err(e)?.is_none() {
+                                std::thread::yield_now();
+                            }
+                            times[i].push(t0.elapsed().as_secs_f64());
+                            let after = collnet::bytes_moved(group).map_err(e)?;
+                            bytes[i] = (after.0 - before.0, after.1 - before.1);
                         }
                     }
                     barrier.wait();
                     collnet::dereg_mr(cmh).map_err(e)?;
+                    if !smh.is_null() {
+                        collnet::dereg_mr(smh).map_err(e)?;
+                    }
                     core::dereg_mr(std::ptr::null_mut(), p(rmh)).map_err(e)?;
                     core::dereg_mr(std::ptr::null_mut(), p(tmh)).map_err(e)?;
                     if rank == 0 {
-                        rows.lock().unwrap().push((
-                            size,
-                            median(&mut tc),
-                            median(&mut tr),
-                            cbytes,
-                            rbytes,
-                        ));
+                        let mut rows = rows.lock().unwrap();
+                        for (i, &alg) in algs.iter().enumerate() {
+                            rows.push((size, alg, median(&mut times[i]), bytes[i]));
+                        }
                     }
                 }
                 barrier.wait();
                 collnet::close_coll(g).map_err(e)?;
+                if let Some(gs) = gs {
+                    collnet::close_coll(gs).map_err(e)?;
+                }
                 core::close_send(p(ring.send)).map_err(e)?;
                 core::close_recv(p(ring.recv)).map_err(e)?;
                 core::finalize(ctx).map_err(e)?;
@@ -232,41 +305,40 @@ fn one(provider: &'static str, n: usize, sizes: Vec<usize>, reps: usize) -> Res<
     for t in threads {
         t.join().map_err(|_| "a rank panicked")??;
     }
+    stop.store(true, Ordering::Relaxed);
+    for t in reducers {
+        t.join().map_err(|_| "a reducer panicked")??;
+    }
     let bus = 2.0 * (n - 1) as f64 / n as f64;
-    println!("\n{provider}, {n} ranks (threads), fp32 sum, median of {reps}, rank 0:");
     println!(
-        "{:>10} {:>11} {:>9} {:>9} {:>11} {:>9} {:>9} {:>8}  {:>21} {:>21}",
-        "bytes",
-        "collnet us",
-        "algbw",
-        "busbw",
-        "ring us",
-        "algbw",
-        "busbw",
-        "coll/ring",
-        "collnet sent/recv",
-        "ring sent/recv"
+        "\n{provider}, {n} ranks and {m} reducer(s) (threads of one process), fp32 sum, median of {reps}, rank 0:"
     );
-    for (size, c, r, cb, rb) in rows.lock().unwrap().iter() {
-        let gb = |t: f64| *size as f64 / t / 1e9;
+    println!(
+        "{:>10}  {:<12} {:>11} {:>9} {:>9} {:>9}  {:>10} {:>10}",
+        "bytes", "algorithm", "median us", "algbw", "busbw", "vs ring", "sent/op", "recv/op"
+    );
+    let rows = rows.lock().unwrap();
+    for &(size, alg, t, (sent, recv)) in rows.iter() {
+        let ring = rows
+            .iter()
+            .find(|r| r.0 == size && r.1 == Alg::Ring)
+            .map_or(t, |r| r.2);
+        let gb = size as f64 / t / 1e9;
+        let name = match alg {
+            Alg::InPlugin => "in-plugin".to_owned(),
+            Alg::Reducers => format!("reducers x{m}"),
+            Alg::Ring => "ring".to_owned(),
+        };
         println!(
-            "{:>10} {:>11.1} {:>9.3} {:>9.3} {:>11.1} {:>9.3} {:>9.3} {:>8.3}  {:>10}/{:<10} {:>10}/{:<10}",
-            size,
-            c * 1e6,
-            gb(*c),
-            gb(*c) * bus,
-            r * 1e6,
-            gb(*r),
-            gb(*r) * bus,
-            r / c,
-            cb.0,
-            cb.1,
-            rb.0,
-            rb.1
+            "{size:>10}  {name:<12} {:>11.1} {gb:>9.3} {:>9.3} {:>9.3}  {sent:>10} {recv:>10}",
+            t * 1e6,
+            gb * bus,
+            ring / t
         );
     }
     println!(
-        "(algbw and busbw in GB/s; busbw = algbw x 2(n-1)/n; bytes are payload per operation)"
+        "(algbw and busbw in GB/s; busbw = algbw x 2(n-1)/n, NCCL's convention for every algorithm; \
+         vs ring = ring time / this time; bytes are payload per operation at rank 0)"
     );
     Ok(())
 }
@@ -274,6 +346,7 @@ fn one(provider: &'static str, n: usize, sizes: Vec<usize>, reps: usize) -> Res<
 fn main() {
     let mut providers = vec!["shm".to_owned(), "tcp".to_owned()];
     let mut ranks = 2usize;
+    let mut reducers = 1usize;
     let mut sizes = vec![65536usize, 1 << 20, 16 << 20];
     let mut reps = 5usize;
     let mut single: Option<String> = None;
@@ -283,6 +356,7 @@ fn main() {
         match a.as_str() {
             "--providers" => providers = val().split(',').map(str::to_owned).collect(),
             "--ranks" => ranks = val().parse().expect("--ranks N"),
+            "--reducers" => reducers = val().parse().expect("--reducers N"),
             "--sizes" => {
                 sizes = val()
                     .split(',')
@@ -296,14 +370,14 @@ fn main() {
             }
             "--one" => single = Some(val()),
             _ => {
-                println!("usage: weft-collbench [--providers shm,tcp] [--ranks 2] [--sizes 65536,...] [--reps 5] [--quick]");
+                println!("usage: weft-collbench [--providers shm,tcp] [--ranks 2] [--reducers 1] [--sizes 65536,...] [--reps 5] [--quick]");
                 return;
             }
         }
     }
     if let Some(prov) = single {
         let prov: &'static str = Box::leak(prov.into_boxed_str());
-        if let Err(e) = one(prov, ranks, sizes, reps) {
+        if let Err(e) = one(prov, ranks, reducers, sizes, reps) {
             eprintln!("weft-collbench: {e}");
             std::process::exit(1);
         }
@@ -322,6 +396,8 @@ fn main() {
                 &prov,
                 "--ranks",
                 &ranks.to_string(),
+                "--reducers",
+                &reducers.to_string(),
                 "--sizes",
                 &sizes_arg,
                 "--reps",
