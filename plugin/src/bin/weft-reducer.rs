@@ -34,7 +34,10 @@ struct Args {
     groups: Option<u64>,
 }
 
-fn args() -> Result<Args, String> {
+const USAGE: &str = "usage: weft-reducer [--dev N] [--handle-file PATH] [--groups N]";
+
+/// The arguments; `None` for `--help`.
+fn args() -> Result<Option<Args>, String> {
     let mut a = Args {
         dev: 0,
         handle_file: None,
@@ -47,22 +50,22 @@ fn args() -> Result<Args, String> {
             "--dev" => a.dev = value()?.parse().map_err(|e| format!("--dev: {e}"))?,
             "--handle-file" => a.handle_file = Some(value()?.into()),
             "--groups" => a.groups = Some(value()?.parse().map_err(|e| format!("--groups: {e}"))?),
-            "-h" | "--help" => {
-                return Err(
-                    "usage: weft-reducer [--dev N] [--handle-file PATH] [--groups N]".into(),
-                )
-            }
+            "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown argument {other:?} (see --help)")),
         }
     }
-    Ok(a)
+    Ok(Some(a))
 }
 
 fn main() -> ExitCode {
     let a = match args() {
-        Ok(a) => a,
+        Ok(Some(a)) => a,
+        Ok(None) => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
         Err(e) => {
-            eprintln!("weft-reducer: {e}");
+            eprintln!("weft-reducer: {e}\n{USAGE}");
             return ExitCode::from(2);
         }
     };

@@ -24,6 +24,12 @@
 //! Tags name the operation (its sequence number, the same on every rank:
 //! NCCL issues collectives in the same order everywhere) and the phase.
 //!
+//! **Through reducers** (`WEFT_COLLNET_REDUCERS`): the group also holds a
+//! send and a receive comm per reduction server ([`reducer`]); an
+//! all-reduce's shards are the reducers', each rank sends every reducer a
+//! [`wire::Header`] and its copy of the reducer's shard, and receives the
+//! reduced shard back: each rank moves the buffer once each way.
+//!
 //! Memory is host memory (`ptrSupport = HOST`); registrations go to the
 //! device's registration cache through the group's comms. The reduction
 //! itself is [`reduce`].
