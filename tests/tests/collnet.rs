@@ -989,3 +989,30 @@ fn shm_reducer_killed() {
     weft_tests::isolated!();
     killed_through_a_reducer("shm", true);
 }
+
+/// The largest size the issue names: 64 MiB of fp32 and three elements
+/// more (an odd count), in-plugin and through a reducer, on 2 ranks.
+#[test]
+fn shm_64_mib_in_plugin_and_through_a_reducer() {
+    weft_tests::isolated!();
+    let count = (64 << 20) / 4 + 3;
+    for m in [0, 1] {
+        let (results, _) = served("shm", 2, m, move |rank, g| {
+            let data = input(DataType::F32, count, 77 + rank as u64);
+            allreduce(g, DataType::F32, RedOp::Sum, &data, rank == 0)
+        });
+        let want = reference(
+            DataType::F32,
+            RedOp::Sum,
+            &input(DataType::F32, count, 77),
+            &input(DataType::F32, count, 78),
+        );
+        for (rank, r) in results.iter().enumerate() {
+            assert!(
+                r == &want,
+                "{m} reducer(s): rank {rank} differs from the reference"
+            );
+        }
+        println!("64 MiB + 3 floats, {m} reducer(s): both ranks bit-identical to the reference");
+    }
+}
