@@ -200,17 +200,24 @@ fn collnet_bench_prints_its_table() {
     );
     println!("{stdout}");
     for what in [
-        "collnet us",
-        "ring us",
+        "algorithm",
+        "median us",
         "busbw",
-        "collnet sent/recv",
-        "ring sent/recv",
+        "vs ring",
+        "sent/op",
+        "recv/op",
     ] {
         assert!(stdout.contains(what), "the table lacks {what:?}:\n{stdout}");
     }
-    let rows = stdout
-        .lines()
-        .filter(|l| l.trim_start().starts_with("65536") || l.trim_start().starts_with("1048576"))
-        .count();
-    assert_eq!(rows, 2, "{stdout}");
+    // One row per size and algorithm: in-plugin, through the reducer, ring.
+    for alg in ["in-plugin", "reducers x1", "ring"] {
+        let rows = stdout
+            .lines()
+            .filter(|l| {
+                let t = l.trim_start();
+                (t.starts_with("65536 ") || t.starts_with("1048576 ")) && t.contains(alg)
+            })
+            .count();
+        assert_eq!(rows, 2, "{alg}: {stdout}");
+    }
 }

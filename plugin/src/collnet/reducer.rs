@@ -260,7 +260,8 @@ impl Reducer {
             self.stats.bytes_out += std::mem::take(&mut g.bytes_out);
             self.stats.ops += std::mem::take(&mut g.done);
             let why = match step {
-                Ok(moved) if !g.bye => {
+                // After every rank's goodbye, what is in flight still finishes.
+                Ok(moved) if !(g.bye && g.ops.is_empty()) => {
                     progressed |= moved;
                     i += 1;
                     continue;
@@ -531,7 +532,7 @@ impl Group {
         let n = self.n;
         // Headers: one receive posted per rank; once all arrived, an operation.
         for r in 0..n {
-            if self.hdr[r] == Q::Todo && self.ops.len() < QUEUED {
+            if self.hdr[r] == Q::Todo && self.ops.len() < QUEUED && !self.bye {
                 let at = self.msgs.at(GREETING_LEN + r * Header::LEN);
                 let c = self.member(r).recv;
                 // SAFETY: rank r's header slot of the group's registered buffer.
@@ -558,6 +559,7 @@ impl Group {
                     )));
                 }
             }
+            self.hdr.iter_mut().for_each(|q| *q = Q::Todo);
             if h.bye {
                 self.bye = true;
                 return Ok(true);
@@ -568,7 +570,6 @@ impl Group {
                 next: 0,
                 work: VecDeque::new(),
             });
-            self.hdr.iter_mut().for_each(|q| *q = Q::Todo);
             progressed = true;
         }
         let mut i = 0;
