@@ -517,7 +517,8 @@ pub mod net {
         Ok(())
     }
 
-    /// `iflush`: host memory needs none (NULL request = done).
+    /// `iflush`: host memory needs none; CUDA buffers get the driver's
+    /// flush (NULL request = done, either way).
     ///
     /// # Safety
     /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
@@ -525,7 +526,17 @@ pub mod net {
         // SAFETY: NCCL's output slot (NULL is refused).
         let out = unsafe { out_ref(a.request, "request")? };
         *out = std::ptr::null_mut();
-        if let Some(r) = core::iflush(a.recvComm, n_of(a.n)?)? {
+        let n = n_of(a.n)?;
+        let mut mhandles = [std::ptr::null_mut(); crate::core::props::MAX_RECVS];
+        let named = n.min(mhandles.len());
+        if !a.mhandles.is_null() {
+            for (i, m) in mhandles.iter_mut().enumerate().take(named) {
+                // SAFETY: NCCL passes `n` memory handles; at most MAX_RECVS
+                // are read (the core refuses a larger n).
+                *m = unsafe { *a.mhandles.add(i) };
+            }
+        }
+        if let Some(r) = core::iflush(a.recvComm, n, &mhandles[..named])? {
             *out = r;
         }
         Ok(())

@@ -31,6 +31,9 @@ pub struct Device {
     pub info: OwnedInfo,
     /// The `fi_info` to open it with for RMA (when offered).
     pub rma_info: Option<OwnedInfo>,
+    /// Whether both infos ask for `FI_HMEM` (asked only where a CUDA
+    /// driver is usable), or why not.
+    pub hmem: Result<(), String>,
 }
 
 impl Device {
@@ -62,9 +65,18 @@ impl Rma {
     }
 }
 
-/// Asks libfabric what `provider` offers each domain with `FI_RMA`.
-fn rma_of(provider: &str) -> Vec<(String, Rma, OwnedInfo)> {
+/// Tagged hints for `provider`, with `FI_HMEM` when asked.
+fn hints(provider: &str, hmem: bool) -> Hints {
     let mut h = Hints::rdm_tagged(Some(provider));
+    if hmem {
+        h.caps |= libfabric_sys::FI_HMEM;
+    }
+    h
+}
+
+/// Asks libfabric what `provider` offers each domain with `FI_RMA`.
+fn rma_of(provider: &str, hmem: bool) -> Vec<(String, Rma, OwnedInfo)> {
+    let mut h = hints(provider, hmem);
     if std::env::var("WEFT_TEST_MR_OFFSET").is_ok_and(|v| v == "1") {
         // Test switch: ask for offset addressing (shm offers either).
         h.mr_mode &= !libfabric_sys::FI_MR_VIRT_ADDR;
@@ -145,8 +157,30 @@ pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), Dis
             });
             continue;
         }
-        let list = InfoList::get(&Hints::rdm_tagged(Some(provider)))?;
-        let rmas = rma_of(provider);
+        // Where a CUDA driver is usable, ask for FI_HMEM first: a domain
+        // must be opened with it for device memory to register.
+        let offers = |l: &InfoList| l.iter().any(|i| i.provider() == provider);
+        let (list, hmem) = match crate::gpu::driver() {
+            Ok(_) if crate::fabric::test_hmem_as_system() => {
+                (InfoList::get(&hints(provider, false))?, Ok(()))
+            }
+            Ok(_) => match InfoList::get(&hints(provider, true)) {
+                Ok(l) if offers(&l) => (l, Ok(())),
+                _ => (
+                    InfoList::get(&hints(provider, false))?,
+                    Err(format!(
+                        "provider {provider} does not offer FI_HMEM (a libfabric built without CUDA support offers it nowhere)"
+                    )),
+                ),
+            },
+            Err(e) => (InfoList::get(&hints(provider, false))?, Err(e.to_string())),
+        };
+        // The RMA infos ask for what the tagged ones got (not under the
+        // test switch, which takes the domains as they are).
+        let rmas = rma_of(
+            provider,
+            hmem.is_ok() && !crate::fabric::test_hmem_as_system(),
+        );
         let mut devices: Vec<Device> = Vec::new();
         let mut filtered = Vec::new();
         for info in list.iter() {
@@ -179,6 +213,7 @@ pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), Dis
                 rma: rma.map(|(_, r, _)| *r).unwrap_or_default(),
                 info: info.to_owned()?,
                 rma_info: rma.and_then(|(.., i)| i.as_ref().to_owned().ok()),
+                hmem: hmem.clone(),
             });
         }
         let outcome = if !devices.is_empty() {

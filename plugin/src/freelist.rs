@@ -124,6 +124,26 @@ pub trait Registrar {
         ptr: NonNull<u8>,
         len: usize,
     ) -> Result<Option<(Self::Registration, MrDesc)>, String>;
+
+    /// Registers memory of `kind`; a registrar that knows only host memory
+    /// refuses device memory.
+    ///
+    /// # Safety
+    /// As for [`Registrar::register`].
+    unsafe fn register_kind(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        kind: crate::gpu::MemKind,
+    ) -> Result<Option<(Self::Registration, MrDesc)>, String> {
+        match kind {
+            // SAFETY: forwarded contract.
+            crate::gpu::MemKind::Host => unsafe { self.register(ptr, len) },
+            other => Err(format!(
+                "this registrar registers host memory only, not {other:?}"
+            )),
+        }
+    }
 }
 
 /// The registrar of unregistered lists.

@@ -32,6 +32,7 @@ pub mod device;
 pub mod error;
 pub mod fabric;
 pub mod freelist;
+pub mod gpu;
 pub mod log;
 pub mod mr;
 pub mod proto;

@@ -20,9 +20,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use crate::freelist::{page_size, MrDesc, Registrar};
+use crate::gpu::MemKind;
 
 /// One registered page range.
 pub struct Region<G> {
+    kind: MemKind,
     start: usize,
     end: usize,
     desc: MrDesc,
@@ -30,6 +32,10 @@ pub struct Region<G> {
 }
 
 impl<G> Region<G> {
+    /// What memory this is.
+    pub fn kind(&self) -> MemKind {
+        self.kind
+    }
     /// The descriptor passed with data transfers from this range.
     pub fn desc(&self) -> MrDesc {
         self.desc
@@ -62,7 +68,9 @@ pub struct RegError {
     pub why: String,
 }
 
-type Key = (usize, usize);
+/// What a registration is keyed on: the memory's kind (and device), and
+/// the registered range.
+type Key = (MemKind, usize, usize);
 
 /// The per-domain registration cache.
 pub struct MrCache<R: Registrar> {
@@ -82,14 +90,20 @@ impl<R: Registrar> fmt::Debug for MrCache<R> {
     }
 }
 
-fn page_range(addr: usize, len: usize) -> Option<Key> {
+/// The range registered for `addr..addr+len` of `kind`: whole host pages;
+/// device memory exactly (host pages mean nothing there, and rounding
+/// could reach past the allocation).
+fn page_range(addr: usize, len: usize, kind: MemKind) -> Option<Key> {
+    if kind != MemKind::Host {
+        return Some((kind, addr, addr.checked_add(len.max(1))?));
+    }
     let page = page_size();
     let start = addr & !(page - 1);
     // A zero-length registration still pins the page it names.
     let end = addr
         .checked_add(len.max(1))?
         .checked_next_multiple_of(page)?;
-    Some((start, end))
+    Some((kind, start, end))
 }
 
 impl<R: Registrar> MrCache<R> {
@@ -125,8 +139,8 @@ impl<R: Registrar> MrCache<R> {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Returns a registration of the pages of `addr..addr+len`: the cached
-    /// one for exactly those pages, or a new one.
+    /// Returns a registration of the pages of `addr..addr+len` (host
+    /// memory): the cached one for exactly those pages, or a new one.
     ///
     /// # Safety
     /// The pages of the range stay mapped while the returned handle lives.
@@ -135,24 +149,40 @@ impl<R: Registrar> MrCache<R> {
         addr: usize,
         len: usize,
     ) -> Result<Arc<Region<R::Registration>>, RegError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.register_kind(addr, len, MemKind::Host) }
+    }
+
+    /// [`MrCache::register`] for memory of `kind` (device memory is
+    /// registered exactly, not by pages).
+    ///
+    /// # Safety
+    /// The range stays allocated while the returned handle lives.
+    pub unsafe fn register_kind(
+        &self,
+        addr: usize,
+        len: usize,
+        kind: MemKind,
+    ) -> Result<Arc<Region<R::Registration>>, RegError> {
         let fail = |why: String| RegError { addr, len, why };
-        let key = page_range(addr, len).ok_or_else(|| fail("range overflows".into()))?;
+        let key = page_range(addr, len, kind).ok_or_else(|| fail("range overflows".into()))?;
         let mut map = self.lock();
         if let Some(r) = map.get(&key).and_then(Weak::upgrade) {
             self.hits.fetch_add(1, Ordering::Relaxed);
             return Ok(r);
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
-        let base = NonNull::new(key.0 as *mut u8).ok_or_else(|| fail("NULL address".into()))?;
-        // SAFETY: the caller keeps the pages mapped while the handle lives.
-        let (reg, desc) = match unsafe { self.registrar.register(base, key.1 - key.0) } {
+        let base = NonNull::new(key.1 as *mut u8).ok_or_else(|| fail("NULL address".into()))?;
+        // SAFETY: the caller keeps the range allocated while the handle lives.
+        let (reg, desc) = match unsafe { self.registrar.register_kind(base, key.2 - key.1, kind) } {
             Ok(Some(r)) => r,
             Ok(None) => return Err(fail("the registrar does not register memory".into())),
             Err(why) => return Err(fail(why)),
         };
         let region = Arc::new(Region {
-            start: key.0,
-            end: key.1,
+            kind,
+            start: key.1,
+            end: key.2,
             desc,
             _reg: reg,
         });
@@ -162,7 +192,7 @@ impl<R: Registrar> MrCache<R> {
 
     /// Drops one reference; the last one deregisters and leaves the map.
     pub fn release(&self, region: Arc<Region<R::Registration>>) {
-        let key = (region.start, region.end);
+        let key = (region.kind, region.start, region.end);
         let mut map = self.lock();
         drop(region);
         if map.get(&key).is_some_and(|w| w.strong_count() == 0) {

@@ -2,6 +2,7 @@
 //! logger, loopback configuration, and event-driven poll loops with generous
 //! timeouts (this machine is small and shared; tests never sleep to sync).
 
+pub mod collnet_cell;
 pub mod emu;
 pub mod forge;
 pub mod host;
@@ -62,6 +63,12 @@ pub const TEST_PARAMS: &[Param] = &[
         default: "unset",
         accepted: "comma-separated `local`, `prov_key`, `allocated`, `endpoint`",
         meaning: "the plugin honours and checks these MR modes as if the provider required them (neither here does): every posted buffer carries its descriptor, keys are arbitrary 64-bit values read back with `fi_mr_key`, unmapped memory is never registered, registrations are bound to the device's passive endpoint and enabled before use; read by the plugin itself, set by the tests that cover those paths",
+    },
+    Param {
+        name: "WEFT_TEST_HMEM",
+        default: "unset",
+        accepted: "`system`",
+        meaning: "device memory (what the CUDA driver says is device memory) is registered as host memory, and discovery does not ask the provider for FI_HMEM: with the fake driver of `tests/c/fake_cuda.c`, whose device memory is host memory, this runs Weft's whole CUDA path on a libfabric without CUDA; read by the plugin itself, set by `tests/tests/gpu.rs`",
     },
 ];
 

@@ -449,9 +449,9 @@ fn iflush_on_host_memory_is_a_null_request() {
     weft_tests::isolated!();
     let ctx = init("tcp");
     let (s, r) = pair(ctx);
-    assert_eq!(core::iflush(r, 1).unwrap(), None);
-    assert!(core::iflush(s, 1).is_err());
-    assert!(core::iflush(r, 9).is_err());
+    assert_eq!(core::iflush(r, 1, &[]).unwrap(), None);
+    assert!(core::iflush(s, 1, &[]).is_err());
+    assert!(core::iflush(r, 9, &[]).is_err());
     close_pair(s, r);
 }
 

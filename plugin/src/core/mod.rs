@@ -23,6 +23,7 @@ pub use props::Properties;
 use crate::config::{self, Config};
 use crate::device;
 use crate::fabric::{Domain, DomainRegistrar, Mr};
+use crate::gpu::MemKind;
 use crate::log::NcclDebugLogger;
 use crate::mr::{MrCache, Region};
 use crate::proto::wire::{self, ListenHandle, HANDLE_SIZE};
@@ -169,15 +170,41 @@ fn start(config: Option<Config>) -> Result<Running> {
     let mut devices = Vec::with_capacity(found.len());
     let mut all_props = Vec::with_capacity(found.len());
     for (index, dev) in found.into_iter().enumerate() {
-        all_props.push(props::properties(index, &dev, &config));
+        let mut p = props::properties(index, &dev, &config);
         let domain = Domain::open(dev.info_for(rma)).map_err(|e| {
             Error::from(e).context(format!("opening device {index} ({})", dev.domain))
         })?;
+        let cuda = match gpu_claim(&dev, &domain) {
+            Ok(gpu) => {
+                tracing::info!(
+                    target: "weft::init",
+                    "device {index} ({}): GPU memory supported (NCCL_PTR_CUDA): {} CUDA device(s), FI_HMEM, \
+                     device memory of GPU {gpu} registered; every message is written straight from and to \
+                     its buffer (no eager copy: WEFT_EAGER_SIZE is ignored on this device)",
+                    dev.domain,
+                    crate::gpu::driver().map_or(0, |d| d.devices()),
+                );
+                p.ptr_support |= props::PTR_CUDA;
+                true
+            }
+            Err(why) => {
+                tracing::info!(
+                    target: "weft::init",
+                    "device {index} ({}): host memory only (ptrSupport = NCCL_PTR_HOST): {why}",
+                    dev.domain
+                );
+                false
+            }
+        };
+        all_props.push(p);
         devices.push(Arc::new(DeviceState {
             index,
             mr: MrCache::new(DomainRegistrar(Arc::clone(&domain))),
             domain,
-            eager_size: config.eager_size,
+            cuda,
+            // No CPU touches GPU data: on a device that takes GPU memory no
+            // message is copied eagerly (nor injected).
+            eager_size: if cuda { 0 } else { config.eager_size },
             peer_timeout: config.peer_timeout,
             hub: std::sync::Mutex::new(None),
             dev,
@@ -212,6 +239,48 @@ fn teardown(r: Running) {
         target: "weft::init",
         "last context finalized: keeper thread joined, endpoints, registrations and domains closed"
     );
+}
+
+/// Whether device `dev` can take GPU memory: a usable driver, a domain
+/// opened with `FI_HMEM`, and a registration of real device memory that
+/// succeeded on it (NCCL cannot be told "no" after `getProperties`, so
+/// nothing is claimed that was not tried). `Ok(gpu)`: the GPU probed;
+/// `Err`: what was missing, for the INFO line.
+fn gpu_claim(
+    dev: &crate::device::Device,
+    domain: &Arc<Domain>,
+) -> std::result::Result<i32, String> {
+    use crate::fabric::{Mr, ACCESS_ALL};
+    let drv = crate::gpu::driver().map_err(|e| e.to_string())?;
+    dev.hmem.clone()?;
+    const PROBE: usize = 64 << 10;
+    let gpu = 0;
+    let mem = drv
+        .alloc(gpu, PROBE)
+        .map_err(|e| format!("no device memory to probe with: {e}"))?;
+    // SAFETY: `mem` is PROBE bytes of device memory, freed only after the
+    // registration is dropped.
+    let reg = unsafe {
+        Mr::register_kind(
+            domain,
+            mem.as_ptr(),
+            PROBE,
+            ACCESS_ALL,
+            crate::gpu::MemKind::Cuda(gpu),
+        )
+    };
+    let ok = reg.is_ok();
+    let why = reg.err().map(|e| e.to_string());
+    // SAFETY: the registration is gone; nothing else holds `mem`.
+    unsafe { drv.free(gpu, mem) };
+    if ok {
+        Ok(gpu)
+    } else {
+        Err(format!(
+            "registering device memory with FI_HMEM_CUDA failed ({}): is this libfabric built with CUDA support?",
+            why.unwrap_or_default()
+        ))
+    }
 }
 
 /// What `init` receives, in the newest API's terms.
@@ -448,17 +517,37 @@ pub fn reg_mr(
             "regMr: {comm:p} is not a live Weft send or receive comm"
         ))
     })?;
-    if ptr_type != props::PTR_HOST {
-        return Err(Error::usage(format!(
-            "regMr: memory type {ptr_type:#x} is not supported: this build registers host memory only (ptrSupport = NCCL_PTR_HOST)"
-        )));
-    }
     if data.is_null() {
         return Err(Error::internal("regMr: NULL address"));
     }
-    // SAFETY: NCCL registers memory it owns and keeps mapped until deregMr.
-    let region =
-        unsafe { d.mr.register(data as usize, size) }.map_err(|e| Error::system(e.to_string()))?;
+    let kind = match ptr_type {
+        props::PTR_HOST => MemKind::Host,
+        props::PTR_CUDA if d.cuda => {
+            let drv = crate::gpu::driver().map_err(|e| Error::system(e.to_string()))?;
+            match drv.classify(data).map_err(|e| Error::internal(format!("regMr: {e}")))? {
+                MemKind::Host => {
+                    return Err(Error::internal(format!(
+                        "regMr: NCCL says {data:p} is CUDA memory, but the driver does not know it as device memory"
+                    )))
+                }
+                cuda => cuda,
+            }
+        }
+        props::PTR_CUDA => {
+            return Err(Error::usage(format!(
+                "regMr: CUDA memory on device {} ({}), which reported ptrSupport = NCCL_PTR_HOST (its INFO line at init says why)",
+                d.index, d.dev.domain
+            )))
+        }
+        other => {
+            return Err(Error::usage(format!(
+                "regMr: memory type {other:#x} is not supported (NCCL_PTR_HOST or, where claimed, NCCL_PTR_CUDA)"
+            )))
+        }
+    };
+    // SAFETY: NCCL registers memory it owns and keeps allocated until deregMr.
+    let region = unsafe { d.mr.register_kind(data as usize, size, kind) }
+        .map_err(|e| Error::system(e.to_string()))?;
     Ok(REG.mr.insert(Arc::new(MrHandle {
         dev: d.index,
         addr: data as usize,
@@ -615,9 +704,16 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
     )))
 }
 
-/// `iflush(recvComm, ...)`: host memory needs no flush, so the request is
-/// NULL (NCCL treats that as complete).
-pub fn iflush(comm: *mut c_void, n: usize) -> Result<Option<*mut c_void>> {
+/// `iflush(recvComm, n, ..., mhandles)`: makes data the NIC wrote into
+/// GPU memory visible to the GPU's kernels. Host memory needs nothing; for
+/// CUDA buffers the driver's flush (`cuFlushGPUDirectRDMAWrites`) runs,
+/// once per GPU named, and completes before the call returns. The request
+/// is therefore always NULL, which NCCL treats as complete.
+pub fn iflush(
+    comm: *mut c_void,
+    n: usize,
+    mhandles: &[*mut c_void],
+) -> Result<Option<*mut c_void>> {
     if REG.recv.get(comm).is_none() {
         return Err(Error::internal(format!(
             "iflush: {comm:p} is not a live Weft receive comm"
@@ -628,6 +724,20 @@ pub fn iflush(comm: *mut c_void, n: usize) -> Result<Option<*mut c_void>> {
             "iflush with n = {n}: must be 1 ..= {}",
             props::MAX_RECVS
         )));
+    }
+    let mut flushed: Vec<i32> = Vec::new();
+    for &mh in mhandles.iter().filter(|m| !m.is_null()) {
+        let h = REG.mr.get(mh).ok_or_else(|| {
+            Error::internal(format!("iflush: {mh:p} is not a live Weft memory handle"))
+        })?;
+        if let MemKind::Cuda(gpu) = h.region.kind() {
+            if !flushed.contains(&gpu) {
+                let drv = crate::gpu::driver().map_err(|e| Error::system(e.to_string()))?;
+                drv.flush(gpu)
+                    .map_err(|e| Error::system(format!("iflush: GPU {gpu}: {e}")))?;
+                flushed.push(gpu);
+            }
+        }
     }
     Ok(None)
 }
@@ -686,6 +796,8 @@ pub struct DeviceStats {
     pub mr_misses: u64,
     /// Ranges currently registered.
     pub mr_entries: usize,
+    /// The eager threshold in effect (0 where the device takes GPU memory).
+    pub eager_size: usize,
 }
 
 /// Test hook: whether device `dev` addresses remote registrations by
@@ -699,6 +811,29 @@ pub fn protocol_name() -> Result<&'static str> {
     Ok(plugin()?.protocol.name())
 }
 
+/// A freelist of GPU `gpu`'s memory registered on device `dev` (as
+/// `FI_HMEM_CUDA`): elements carry the block's descriptor like host ones.
+/// Needs a device that claims CUDA.
+pub fn gpu_freelist(
+    dev: i32,
+    gpu: i32,
+    p: crate::freelist::Params,
+) -> Result<crate::freelist::Freelist<crate::gpu::CudaMemory, crate::fabric::KindRegistrar>> {
+    let d = device(&*plugin()?, dev)?;
+    if !d.cuda {
+        return Err(Error::usage(format!(
+            "device {dev} ({}) does not take GPU memory (its INFO line at init says why)",
+            d.dev.domain
+        )));
+    }
+    let reg = crate::fabric::KindRegistrar {
+        domain: DomainRegistrar(Arc::clone(&d.domain)),
+        kind: MemKind::Cuda(gpu),
+    };
+    crate::freelist::Freelist::new(crate::gpu::CudaMemory { dev: gpu }, reg, p)
+        .map_err(|e| Error::system(e.to_string()))
+}
+
 /// Counters of device `dev`.
 pub fn device_stats(dev: i32) -> Result<DeviceStats> {
     let d = device(&*plugin()?, dev)?;
@@ -707,6 +842,7 @@ pub fn device_stats(dev: i32) -> Result<DeviceStats> {
         mr_hits,
         mr_misses,
         mr_entries: d.mr.len(),
+        eager_size: d.eager_size,
     })
 }
 

@@ -7,6 +7,8 @@ use libfabric_sys as fi;
 
 use super::domain::{close_fid, Domain};
 use super::error::{check, FiError};
+use crate::freelist::{MrDesc, Registrar};
+use crate::gpu::MemKind;
 
 /// A registered memory region; deregistered on drop.
 #[derive(Debug)]
@@ -54,6 +56,59 @@ impl Mr {
                 &mut ptr,
                 ptr::null_mut(),
             )
+        })?;
+        let mr = Self {
+            ptr,
+            _domain: Arc::clone(domain),
+        };
+        if domain.mr_mode() & fi::FI_MR_ENDPOINT != 0 {
+            mr.bind_and_enable(domain)?;
+        }
+        Ok(mr)
+    }
+
+    /// Registers `len` bytes at `addr` of memory `kind`: host memory as
+    /// [`Mr::register`] does, device memory with `fi_mr_regattr`, naming its
+    /// `iface` (`FI_HMEM_CUDA`) and device. With the test switch
+    /// `WEFT_TEST_HMEM=system`, device memory is registered as host memory
+    /// (for the fake driver in the test tree, whose device memory is host
+    /// memory, on a libfabric built without CUDA).
+    ///
+    /// # Safety
+    /// As for [`Mr::register`].
+    pub unsafe fn register_kind(
+        domain: &Arc<Domain>,
+        addr: *const u8,
+        len: usize,
+        access: u64,
+        kind: MemKind,
+    ) -> Result<Self, FiError> {
+        let MemKind::Cuda(dev) = kind else {
+            // SAFETY: forwarded contract.
+            return unsafe { Self::register(domain, addr, len, access) };
+        };
+        let iov = libc::iovec {
+            iov_base: addr as *mut libc::c_void,
+            iov_len: len,
+        };
+        let mut attr = fi::fi_mr_attr {
+            mr_iov: (&raw const iov).cast(),
+            iov_count: 1,
+            access,
+            requested_key: domain.requested_key(),
+            ..Default::default()
+        };
+        if test_hmem_as_system() {
+            attr.iface = fi::fi_hmem_iface_FI_HMEM_SYSTEM;
+        } else {
+            attr.iface = fi::fi_hmem_iface_FI_HMEM_CUDA;
+            attr.device.cuda = dev;
+        }
+        let mut ptr = ptr::null_mut();
+        // SAFETY: `attr` and `iov` outlive the call; the caller keeps the
+        // range allocated; `ptr` receives the MR.
+        check("fi_mr_regattr", unsafe {
+            fi::fi_mr_regattr(domain.raw(), &attr, 0, &mut ptr)
         })?;
         let mr = Self {
             ptr,
@@ -146,24 +201,62 @@ impl Drop for Mr {
     }
 }
 
-/// Registers freelist blocks and cached ranges with a domain.
+/// `WEFT_TEST_HMEM=system` (see [`Mr::register_kind`]), read once: device
+/// memory is registered as host memory, and discovery takes the provider's
+/// domains as they are instead of asking for `FI_HMEM`.
+pub fn test_hmem_as_system() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("WEFT_TEST_HMEM").is_ok_and(|v| v == "system"))
+}
+
+/// Registers freelist blocks and cached ranges with a domain: host memory,
+/// or with [`Registrar::register_kind`], device memory.
 #[derive(Debug, Clone)]
 pub struct DomainRegistrar(pub Arc<Domain>);
 
-impl crate::freelist::Registrar for DomainRegistrar {
+impl Registrar for DomainRegistrar {
     type Registration = Mr;
     unsafe fn register(
         &self,
         ptr: std::ptr::NonNull<u8>,
         len: usize,
-    ) -> Result<Option<(Mr, crate::freelist::MrDesc)>, String> {
-        // SAFETY: forwarded contract: the range stays mapped while the Mr lives.
-        let mr = unsafe { Mr::register(&self.0, ptr.as_ptr(), len, ACCESS_ALL) }
+    ) -> Result<Option<(Mr, MrDesc)>, String> {
+        // SAFETY: forwarded contract.
+        unsafe { self.register_kind(ptr, len, MemKind::Host) }
+    }
+    unsafe fn register_kind(
+        &self,
+        ptr: std::ptr::NonNull<u8>,
+        len: usize,
+        kind: MemKind,
+    ) -> Result<Option<(Mr, MrDesc)>, String> {
+        // SAFETY: forwarded contract: the range stays allocated while the Mr lives.
+        let mr = unsafe { Mr::register_kind(&self.0, ptr.as_ptr(), len, ACCESS_ALL, kind) }
             .map_err(|e| e.to_string())?;
-        let d = crate::freelist::MrDesc {
+        let d = MrDesc {
             desc: mr.desc(),
             key: mr.key(),
         };
         Ok(Some((mr, d)))
+    }
+}
+
+/// Registers a freelist's blocks as memory of one kind (a GPU-backed
+/// freelist's: `MemKind::Cuda(dev)`).
+#[derive(Debug, Clone)]
+pub struct KindRegistrar {
+    pub domain: DomainRegistrar,
+    pub kind: MemKind,
+}
+
+impl Registrar for KindRegistrar {
+    type Registration = Mr;
+    unsafe fn register(
+        &self,
+        ptr: std::ptr::NonNull<u8>,
+        len: usize,
+    ) -> Result<Option<(Mr, MrDesc)>, String> {
+        // SAFETY: forwarded contract.
+        unsafe { self.domain.register_kind(ptr, len, self.kind) }
     }
 }

@@ -50,7 +50,9 @@ pub struct DeviceState {
     pub domain: Arc<Domain>,
     /// Registrations, shared by all comms of the device.
     pub mr: MrCache<DomainRegistrar>,
-    /// `WEFT_EAGER_SIZE`.
+    /// Whether the device takes GPU memory (`NCCL_PTR_CUDA` claimed).
+    pub cuda: bool,
+    /// `WEFT_EAGER_SIZE` (0 where the device takes GPU memory).
     pub eager_size: usize,
     /// `WEFT_PEER_TIMEOUT`.
     pub peer_timeout: Duration,
