@@ -1,7 +1,9 @@
 //! The version matrix: every exported net table x {tcp;ofi_rxm on lo, shm}
 //! x {rdma, sendrecv}, each cell in a process of its own (`weft-demo --cell`), driven the way
-//! that version's NCCL drives a plugin (tests/src/matrix.rs). Prints one
-//! table of results with the number of checks; any failing cell fails.
+//! that version's NCCL drives a plugin (tests/src/matrix.rs); and every
+//! CollNet table x {tcp;ofi_rxm, shm} (`weft-demo --collnet-cell`, a group
+//! of two ranks: tests/src/collnet_cell.rs). Prints one table of results
+//! with the number of checks; any failing cell fails.
 
 use std::process::Command;
 use std::time::Instant;
@@ -20,13 +22,17 @@ fn version_matrix() {
     let mut failures = Vec::new();
     for v in 5..=12u32 {
         let mut row = format!("v{v:<3} {:<10}", weft_tests::emu::releases(v));
-        for &(p, proto) in &columns {
+        let cells = columns
+            .iter()
+            .map(|&(p, proto)| ("--cell", p, proto))
+            .chain(providers.iter().map(|&p| ("--collnet-cell", p, "auto")));
+        for (kind, p, proto) in cells {
             let t = Instant::now();
             let out = Command::new(DEMO)
-                .args(["--cell", &v.to_string(), "--provider", p])
+                .args([kind, &v.to_string(), "--provider", p])
                 .env("WEFT_PROTOCOL", proto)
                 .output()
-                .expect("run weft-demo --cell");
+                .expect("run weft-demo");
             let text = String::from_utf8_lossy(&out.stdout);
             let last = text.lines().last().unwrap_or("").to_owned();
             let cell = match last.strip_prefix("checks ") {
@@ -35,7 +41,7 @@ fn version_matrix() {
                 }
                 _ => {
                     failures.push(format!(
-                        "v{v} over {p} ({proto}): {last}\n{}",
+                        "{kind} v{v} over {p} ({proto}): {last}\n{}",
                         String::from_utf8_lossy(&out.stderr)
                             .lines()
                             .take(5)
@@ -53,6 +59,9 @@ fn version_matrix() {
     let mut head = format!("{:<14}", "table  NCCL");
     for (p, q) in &columns {
         head.push_str(&format!(" | {:<20}", format!("{p} {q}")));
+    }
+    for p in &providers {
+        head.push_str(&format!(" | {:<20}", format!("CollNet {p}")));
     }
     println!("{head}");
     for r in &rows {

@@ -9,7 +9,8 @@
 //! Also: `--reload V [--cycles N] [--messages M]` loads table V, runs init ->
 //! transfer -> finalize -> dlclose N times (NCCL >= 2.28 unloads plugins), and
 //! checks after each dlclose that no Weft thread is left; `--serve` and
-//! `--cell` are the other process of the demo and of the test matrix.
+//! `--cell` are the other process of the demo and of the test matrix, and
+//! `--collnet-cell V` is one CollNet cell of the matrix.
 
 use std::ffi::{c_int, c_void};
 use std::io::Write;
@@ -249,6 +250,7 @@ fn main() -> ExitCode {
     let mut provider = "tcp".to_owned();
     let mut serve_version = None;
     let mut cell_version = None;
+    let mut collnet_version = None;
     let mut reload_version = None;
     let mut cycles = 3;
     let mut messages = MESSAGES_DEFAULT;
@@ -279,6 +281,10 @@ fn main() -> ExitCode {
                 cell_version = args[i + 1].parse::<u32>().ok();
                 i += 1;
             }
+            "--collnet-cell" if i + 1 < args.len() => {
+                collnet_version = args[i + 1].parse::<u32>().ok();
+                i += 1;
+            }
             "-h" | "--help" => {
                 println!("usage: weft-demo [--provider tcp|shm|NAME]   (default tcp on lo)");
                 return ExitCode::SUCCESS;
@@ -289,6 +295,20 @@ fn main() -> ExitCode {
             }
         }
         i += 1;
+    }
+    if let Some(v) = collnet_version {
+        // One CollNet cell of the test matrix (two ranks, threads of this process).
+        weft_tests::host::configure(&provider);
+        return match weft_tests::collnet_cell::cell(v) {
+            Ok(n) => {
+                println!("checks {n}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                println!("failed {e}");
+                ExitCode::FAILURE
+            }
+        };
     }
     if let Some(v) = cell_version {
         // One cell of the test matrix (tests/tests/matrix.rs runs these).
