@@ -148,10 +148,19 @@ pub(crate) struct Connecting {
     conn: u64,
     /// When `Conn` was last sent.
     conn_sent: Option<Instant>,
-    /// `Conn` is repeated this often until the `Ack` comes.
+    /// The wait before the next repeat: [`FIRST_RESEND`], doubling after
+    /// each repeat up to `resend`.
+    gap: Duration,
+    /// `Conn` is repeated at most this far apart until the `Ack` comes.
     resend: Duration,
     deadline: Instant,
 }
+
+/// The first repeat of an unanswered `Conn`. A `Conn` the provider took
+/// can still be lost (seen on tcp;ofi_rxm while its connection comes up):
+/// repeating it soon, then less and less often, bounds the cost of a loss
+/// to milliseconds without flooding a listener that is only slow.
+pub(crate) const FIRST_RESEND: Duration = Duration::from_millis(20);
 
 impl Connecting {
     /// A handshake with nonce `conn`, started at `now`, repeating `Conn`
@@ -161,6 +170,7 @@ impl Connecting {
             phase: Phase::SendConn,
             conn,
             conn_sent: None,
+            gap: FIRST_RESEND.min(resend),
             resend,
             deadline: now + timeout,
         }
@@ -179,13 +189,16 @@ impl Connecting {
             Phase::SendConn => true,
             Phase::AwaitAck => self
                 .conn_sent
-                .is_some_and(|t| now.saturating_duration_since(t) >= self.resend),
+                .is_some_and(|t| now.saturating_duration_since(t) >= self.gap),
             Phase::Ready => false,
         }
     }
     /// `Conn` went out at `now`.
     pub(crate) fn conn_sent(&mut self, now: Instant) {
         if self.phase != Phase::Ready {
+            if self.conn_sent.is_some() {
+                self.gap = (self.gap * 2).min(self.resend);
+            }
             self.phase = Phase::AwaitAck;
             self.conn_sent = Some(now);
         }
@@ -285,8 +298,23 @@ mod tests {
         );
         c.conn_sent(t0);
         assert_eq!(c.phase(), Phase::AwaitAck);
-        assert!(!c.conn_due(t0 + s / 2));
-        assert!(c.conn_due(t0 + s), "repeated every period");
+        // Repeated after 20 ms, then 40, 80, ... up to the period.
+        let mut at = t0;
+        let mut gap = FIRST_RESEND;
+        while gap < s {
+            assert!(
+                !c.conn_due(at + gap - Duration::from_millis(1)),
+                "not before {gap:?}"
+            );
+            assert!(c.conn_due(at + gap), "repeated after {gap:?}");
+            at += gap;
+            c.conn_sent(at);
+            gap *= 2;
+        }
+        assert!(
+            !c.conn_due(at + s / 2) && c.conn_due(at + s),
+            "then every period"
+        );
         c.conn_sent(t0 + s);
         assert!(!c.takes_ack(41), "another connect's Ack");
         assert!(c.takes_ack(42));
