@@ -11,6 +11,13 @@
 //! keep their heartbeats, and NCCL's calls never wait on the keeper (they
 //! only try the comm's lock).
 //!
+//! Between periods it also runs when hurried ([`hurry`]): a comm whose
+//! control message the provider refused for now (`-FI_EAGAIN`, e.g. while
+//! rxm connects) keeps it queued, and the comm may not be called again soon
+//! (NCCL's connect returns the comm; the peer's accept waits for that
+//! message). A hurried tick progresses every comm, which sends what they
+//! owe, about every 100 µs until nothing is owed.
+//!
 //! It starts with the first context and stops at the last `finalize`: the
 //! watchdog and every keeper that finishes are joined, so an unloaded plugin
 //! leaves no thread behind; a keeper still stuck in the provider then is
@@ -18,7 +25,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -57,7 +64,42 @@ struct Shared {
     pulse: Pulse,
 }
 
+/// A comm owes a control message the provider refused for now.
+static HURRY: AtomicBool = AtomicBool::new(false);
+/// The running keeper's state, to wake it.
+static CURRENT: Mutex<Weak<Shared>> = Mutex::new(Weak::new());
+
+/// Asks the keeper for a tick soon (see the module's documentation). Cheap
+/// when already asked; never waits on a comm.
+pub fn hurry() {
+    if HURRY.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let current = CURRENT.lock().unwrap_or_else(|e| e.into_inner()).upgrade();
+    if let Some(s) = current {
+        let _stop = s.stop.lock().unwrap_or_else(|e| e.into_inner());
+        s.wake.notify_all();
+    }
+}
+
 impl Shared {
+    /// The keeper's wait: one period, or less when hurried (then a pause of
+    /// 100 µs, so that a provider refusing for a while is not spun on);
+    /// false once stopped.
+    fn sleep_or_hurry(&self) -> bool {
+        let stop = self.stop.lock().unwrap_or_else(|e| e.into_inner());
+        let (stop, _) = self
+            .wake
+            .wait_timeout_while(stop, self.period, |s| !*s && !HURRY.load(Ordering::Acquire))
+            .unwrap_or_else(|e| e.into_inner());
+        let running = !*stop;
+        drop(stop);
+        if running && HURRY.swap(false, Ordering::AcqRel) {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        running
+    }
+
     /// Waits one period; false once stopped.
     fn sleep(&self) -> bool {
         let stop = self.stop.lock().unwrap_or_else(|e| e.into_inner());
@@ -88,7 +130,7 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
 }
 
 fn keeper(shared: Arc<Shared>, gen: u64) {
-    while shared.sleep() && shared.current.load(Ordering::Acquire) == gen {
+    while shared.sleep_or_hurry() && shared.current.load(Ordering::Acquire) == gen {
         shared.pulse.busy.store(true, Ordering::Release);
         if catch_unwind(AssertUnwindSafe(|| {
             (shared.tick)(Instant::now(), &shared.pulse)
@@ -168,6 +210,7 @@ impl Keeper {
             current: AtomicU64::new(0),
             pulse: Pulse::default(),
         });
+        *CURRENT.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(&shared);
         let first = spawn_keeper(&shared, 0)?;
         let s = Arc::clone(&shared);
         let watchdog = match spawn(WATCHDOG_NAME, move || watchdog(s, first)) {

@@ -232,7 +232,12 @@ impl PeerLink {
                 Ok(()) => {
                     self.owed.pop_front();
                 }
-                Err(e) if e.is_again() => return Ok(()),
+                Err(e) if e.is_again() => {
+                    // The comm may not be called again soon: the keeper
+                    // sends it (see `core::keeper`).
+                    crate::core::keeper::hurry();
+                    return Ok(());
+                }
                 Err(e) => {
                     return Err(Error::remote(format!(
                         "control message to {} failed: {e}",
