@@ -57,14 +57,7 @@ impl Mr {
                 ptr::null_mut(),
             )
         })?;
-        let mr = Self {
-            ptr,
-            _domain: Arc::clone(domain),
-        };
-        if domain.mr_mode() & fi::FI_MR_ENDPOINT != 0 {
-            mr.bind_and_enable(domain)?;
-        }
-        Ok(mr)
+        Self::registered(domain, ptr)
     }
 
     /// Registers `len` bytes at `addr` of memory `kind`: host memory as
@@ -110,6 +103,12 @@ impl Mr {
         check("fi_mr_regattr", unsafe {
             fi::fi_mr_regattr(domain.raw(), &attr, 0, &mut ptr)
         })?;
+        Self::registered(domain, ptr)
+    }
+
+    /// The `Mr` of a registration `fi_mr_reg`/`fi_mr_regattr` just made:
+    /// bound and enabled where the domain wants that (`FI_MR_ENDPOINT`).
+    fn registered(domain: &Arc<Domain>, ptr: *mut fi::fid_mr) -> Result<Self, FiError> {
         let mr = Self {
             ptr,
             _domain: Arc::clone(domain),

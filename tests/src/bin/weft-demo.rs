@@ -245,6 +245,20 @@ fn dump_log(who: &str) {
     }
 }
 
+/// A matrix cell's last line (what tests/tests/matrix.rs reads) and status.
+fn cell_result(r: Result<usize, String>) -> ExitCode {
+    match r {
+        Ok(n) => {
+            println!("checks {n}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("failed {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut provider = "tcp".to_owned();
@@ -299,30 +313,12 @@ fn main() -> ExitCode {
     if let Some(v) = collnet_version {
         // One CollNet cell of the test matrix (two ranks, threads of this process).
         weft_tests::host::configure(&provider);
-        return match weft_tests::collnet_cell::cell(v) {
-            Ok(n) => {
-                println!("checks {n}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                println!("failed {e}");
-                ExitCode::FAILURE
-            }
-        };
+        return cell_result(weft_tests::collnet_cell::cell(v));
     }
     if let Some(v) = cell_version {
         // One cell of the test matrix (tests/tests/matrix.rs runs these).
         let me = std::env::current_exe().expect("current_exe");
-        return match weft_tests::matrix::cell(v, &provider, &me) {
-            Ok(n) => {
-                println!("checks {n}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                println!("failed {e}");
-                ExitCode::FAILURE
-            }
-        };
+        return cell_result(weft_tests::matrix::cell(v, &provider, &me));
     }
     if let Some(v) = reload_version {
         return match reload(v, &provider, cycles, messages) {
