@@ -24,7 +24,9 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
 
 use libfabric_sys as fi;
 
@@ -120,10 +122,17 @@ struct PortState {
     ctrl: Mutex<CtrlBufs>,
     poll: Mutex<()>,
     name: Vec<u8>,
+    /// When this port's CQ was last read (ns since the hub opened).
+    polled: AtomicU64,
 }
+
+/// A port nobody read for this long is read by whoever progresses the
+/// other one.
+const STALE_NS: u64 = 20_000;
 
 /// A device's shared endpoints and the comms on them.
 pub struct Hub {
+    opened: Instant,
     ports: [PortState; 2],
     /// Writes carry 8 bytes of immediate, so sizes ride in them.
     wide: bool,
@@ -163,9 +172,11 @@ impl Hub {
                 ctrl: Mutex::new(ctrl),
                 poll: Mutex::new(()),
                 name,
+                polled: AtomicU64::new(0),
             })
         };
         Ok(Self {
+            opened: Instant::now(),
             ports: [port(true)?, port(false)?],
             boxes: RwLock::new(HashMap::new()),
             next_id: Mutex::new(1),
@@ -230,9 +241,29 @@ impl Hub {
     }
 
     /// Reads `port`'s CQ and delivers what it holds, unless another thread is
-    /// doing so right now.
+    /// doing so right now; and the other port's too when nobody read it for
+    /// [`STALE_NS`]. The provider moves a port's queued sends (rxm's
+    /// deferred ones, while a connection comes up) only when that port's CQ
+    /// is read: a rank that for a while only sends, say, would otherwise hold
+    /// its receive comms' control messages back until the keeper's tick.
     pub fn progress(&self, port: Port) -> Result<()> {
+        self.progress_port(port)?;
+        let other = match port {
+            Port::Passive => Port::Active,
+            Port::Active => Port::Passive,
+        };
+        let now = self.opened.elapsed().as_nanos() as u64;
+        if now.saturating_sub(self.ports[other as usize].polled.load(Ordering::Relaxed)) > STALE_NS
+        {
+            self.progress_port(other)?;
+        }
+        Ok(())
+    }
+
+    fn progress_port(&self, port: Port) -> Result<()> {
         let p = &self.ports[port as usize];
+        p.polled
+            .store(self.opened.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let Ok(_poller) = p.poll.try_lock() else {
             return Ok(());
         };
