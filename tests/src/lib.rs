@@ -8,6 +8,7 @@ pub mod forge;
 pub mod host;
 pub mod matrix;
 pub mod micro;
+pub mod netns;
 pub mod peer;
 
 use std::time::{Duration, Instant};

@@ -14,11 +14,17 @@ pub struct Peer {
 impl Peer {
     /// Spawns the peer binary (its path comes from Cargo at build time).
     pub fn spawn(exe: &str) -> Self {
-        let mut child = Command::new(exe)
+        Self::spawn_with(Command::new(exe))
+    }
+
+    /// Spawns the peer as `cmd` says (inside a namespace, with more
+    /// environment).
+    pub fn spawn_with(mut cmd: Command) -> Self {
+        let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .unwrap_or_else(|e| panic!("spawn {exe}: {e}"));
+            .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
         let stdin = child.stdin.take().expect("piped stdin");
         let stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
         Self {
@@ -46,6 +52,14 @@ impl Peer {
     pub fn start(&mut self, line: &str) {
         writeln!(self.stdin, "{line}").expect("write to peer");
         self.stdin.flush().expect("flush to peer");
+    }
+
+    /// Reads the answer to a started command, whatever it is (an `error`
+    /// line included; empty if the peer exited).
+    pub fn reply_raw(&mut self) -> String {
+        let mut reply = String::new();
+        let _ = self.stdout.read_line(&mut reply);
+        reply.trim().to_owned()
     }
 
     /// Reads the answer to a started command.

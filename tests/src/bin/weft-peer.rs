@@ -75,24 +75,49 @@ fn coll_allreduce(g: *mut c_void, rank: usize, n: usize, count: usize) -> Result
     }
 }
 
+/// Tests `q` until done; an error (a dead peer) is returned, not a panic.
+fn wait(q: *mut c_void) -> Result<core::Done, String> {
+    loop {
+        match core::test(q) {
+            Ok(Some(d)) => return Ok(d),
+            Ok(None) => std::thread::yield_now(),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
 /// Sends `count` messages, keeping up to WINDOW in flight.
-fn send(comm: *mut c_void, count: u64, size: usize, tag: i32) -> u64 {
+fn send(comm: *mut c_void, count: u64, size: usize, tag: i32) -> Result<u64, String> {
     let msgs: Vec<Vec<u8>> = (0..count).map(|i| pattern(i, tag, size + 1)).collect();
     let mhs: Vec<*mut c_void> = msgs.iter().map(|m| host::reg(comm, m)).collect();
     let mut inflight = std::collections::VecDeque::new();
     for (m, &mh) in msgs.iter().zip(&mhs) {
         if inflight.len() == WINDOW {
-            host::wait(inflight.pop_front().expect("window"));
+            wait(inflight.pop_front().expect("window"))?;
         }
-        inflight.push_back(host::isend(comm, &m[..size], tag, mh));
+        let q = loop {
+            match host::isend_raw(
+                comm,
+                m.as_ptr() as *mut c_void,
+                size,
+                tag,
+                mh,
+                std::ptr::null_mut(),
+            ) {
+                Ok(Some(q)) => break q,
+                Ok(None) => std::thread::yield_now(),
+                Err(e) => return Err(e.to_string()),
+            }
+        };
+        inflight.push_back(q);
     }
     for q in inflight {
-        host::wait(q);
+        wait(q)?;
     }
     for mh in mhs {
         core::dereg_mr(comm, mh).expect("deregMr");
     }
-    count * size as u64
+    Ok(count * size as u64)
 }
 
 /// Receives and verifies `count` messages, up to WINDOW posted at once.
@@ -105,13 +130,26 @@ fn recv(comm: *mut c_void, count: u64, size: usize, tag: i32) -> Result<u64, Str
     for seq in 0..count {
         while next < count && inflight.len() < WINDOW {
             let slot = (next % WINDOW as u64) as usize;
-            let q = host::irecv(comm, &mut [&mut bufs[slot][..]], &[tag], &[mhs[slot]]);
+            let arg = core::RecvArg {
+                data: bufs[slot].as_mut_ptr().cast(),
+                size: size + 1,
+                tag,
+                mhandle: mhs[slot],
+                phandle: std::ptr::null_mut(),
+            };
+            let q = loop {
+                match host::irecv_raw(comm, &[arg]) {
+                    Ok(Some(q)) => break q,
+                    Ok(None) => std::thread::yield_now(),
+                    Err(e) => return Err(e.to_string()),
+                }
+            };
             inflight.push_back((next, slot, q));
             next += 1;
         }
         let (s, slot, q) = inflight.pop_front().expect("posted");
         debug_assert_eq!(s, seq);
-        let d = host::wait(q);
+        let d = wait(q)?;
         if d.sizes[0] != size || bufs[slot][..size] != pattern(seq, tag, size)[..] {
             return Err(format!(
                 "message {seq} of {size} bytes with tag {tag}: wrong size ({}) or content",
@@ -196,6 +234,22 @@ impl Peer {
                 self.ctx = host::init(&self.provider);
                 "ok".into()
             }
+            // init-on PROVIDER IFACE: as init, on interface IFACE instead of lo
+            // (inside a namespace of tests/src/netns.rs).
+            Some("init-on") => {
+                self.provider = w.get(1).ok_or("init-on needs a provider")?.to_string();
+                let iface = w.get(2).ok_or("init-on needs an interface")?;
+                std::env::set_var("WEFT_PROVIDER", &self.provider);
+                std::env::set_var("WEFT_IFACE", iface);
+                std::env::set_var("FI_TCP_IFACE", iface);
+                self.ctx = core::init(core::InitArgs {
+                    traffic_class: -1,
+                    ..Default::default()
+                })
+                .map_err(|e| e.to_string())?;
+                let p = core::properties(0).map_err(|e| e.to_string())?;
+                format!("ok device {}", p.name.to_string_lossy())
+            }
             Some("listen") => {
                 let (h, l) = host::listen(self.ctx);
                 self.listen = l;
@@ -224,7 +278,7 @@ impl Peer {
             }
             Some("send") => format!(
                 "ok {}",
-                send(self.send, num(1)?, num(2)? as usize, num(3)? as i32)
+                send(self.send, num(1)?, num(2)? as usize, num(3)? as i32)?
             ),
             Some("recv") => format!(
                 "ok {}",

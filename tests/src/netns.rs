@@ -1,0 +1,139 @@
+//! A small cluster on one machine: network namespaces as hosts.
+//!
+//! [`Cluster::new`] makes `hosts` namespaces and one switch namespace. Each
+//! host has `rails` veth links, `r0`, `r1`, ..., each into a bridge of its
+//! rail in the switch namespace, with address `10.(200 + rail).0.(host + 1)/24`
+//! (a private range that exists only inside these namespaces). Nothing is
+//! routed out of them. Everything is deleted when the cluster is dropped,
+//! also when a test fails (deleting a namespace deletes its links). Needs
+//! root (CI has it).
+
+use std::process::Command;
+
+/// The hosts and switch of one test.
+#[derive(Debug)]
+pub struct Cluster {
+    prefix: String,
+    hosts: usize,
+    rails: usize,
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("running ip: {e} (is iproute2 installed?)"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {} (these tests make network namespaces: run them as root)",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl Cluster {
+    /// `hosts` hosts with `rails` rails each.
+    pub fn new(hosts: usize, rails: usize) -> Result<Self, String> {
+        // Short and unique per process: interface names have 15 bytes.
+        let prefix = format!("wf{}", std::process::id() % 100_000);
+        let c = Self {
+            prefix,
+            hosts,
+            rails,
+        };
+        // Leftovers of a killed earlier run with the same pid are removed first.
+        c.teardown();
+        let sw = c.switch();
+        ip(&["netns", "add", &sw])?;
+        for r in 0..rails {
+            let br = format!("br{r}");
+            ip(&["-n", &sw, "link", "add", &br, "type", "bridge"])?;
+            ip(&["-n", &sw, "link", "set", &br, "up"])?;
+        }
+        for h in 0..hosts {
+            let ns = c.host(h);
+            ip(&["netns", "add", &ns])?;
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            for r in 0..rails {
+                let (inner, outer) = (format!("r{r}"), format!("h{h}r{r}"));
+                ip(&[
+                    "-n", &ns, "link", "add", &inner, "type", "veth", "peer", "name", &outer,
+                    "netns", &sw,
+                ])?;
+                ip(&["-n", &ns, "addr", "add", &c.addr(h, r, true), "dev", &inner])?;
+                ip(&["-n", &ns, "link", "set", &inner, "up"])?;
+                ip(&[
+                    "-n",
+                    &sw,
+                    "link",
+                    "set",
+                    &outer,
+                    "master",
+                    &format!("br{r}"),
+                ])?;
+                ip(&["-n", &sw, "link", "set", &outer, "up"])?;
+            }
+        }
+        Ok(c)
+    }
+
+    /// Host `h`'s namespace.
+    pub fn host(&self, h: usize) -> String {
+        format!("{}h{h}", self.prefix)
+    }
+
+    fn switch(&self) -> String {
+        format!("{}sw", self.prefix)
+    }
+
+    /// Host `h`'s address on rail `r` (with the prefix length if `cidr`).
+    pub fn addr(&self, h: usize, r: usize, cidr: bool) -> String {
+        format!(
+            "10.{}.0.{}{}",
+            200 + r,
+            h + 1,
+            if cidr { "/24" } else { "" }
+        )
+    }
+
+    /// A command run inside host `h` (`ip netns exec`).
+    pub fn command(&self, h: usize, program: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.host(h), program]);
+        c
+    }
+
+    /// Takes host `h`'s rail `r` down or up, at the switch (as a cable or
+    /// a switch port would go).
+    pub fn set_link(&self, h: usize, r: usize, up: bool) -> Result<(), String> {
+        ip(&[
+            "-n",
+            &self.switch(),
+            "link",
+            "set",
+            &format!("h{h}r{r}"),
+            if up { "up" } else { "down" },
+        ])
+    }
+
+    fn teardown(&self) {
+        for h in 0..self.hosts {
+            let _ = ip(&["netns", "del", &self.host(h)]);
+        }
+        let _ = ip(&["netns", "del", &self.switch()]);
+    }
+
+    /// Rails per host.
+    pub fn rails(&self) -> usize {
+        self.rails
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.teardown();
+    }
+}
