@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Stages Weft's real-NCCL GPU check (README, "GPU memory") into
+# target/gpu-check/: NCCL from the PyPI wheels (2.18.3, 2.23.4 and the
+# newest, or WEFT_GPU_CHECK_NCCL="x.y.z ..."), the CUDA runtime from its
+# wheel (its headers with the nvcc wheel's), Weft's release .so, the libfabric runtime it links (and that
+# library's own non-system dependencies), the check program built here
+# against the wheels' headers, and run.sh. Copy the directory to a GPU
+# machine and run ./run.sh there. Prints what it staged and its size.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=target/gpu-check
+versions=${WEFT_GPU_CHECK_NCCL:-"2.18.3 2.23.4 2.32.3"}
+cudart=${WEFT_GPU_CHECK_CUDART:-12.9.79}
+nvcc=${WEFT_GPU_CHECK_NVCC:-12.9.86}
+cccl=${WEFT_GPU_CHECK_CCCL:-12.9.27}
+pipdl() {
+  python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
+    --platform manylinux_2_18_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 \
+    --python-version 3.11 -d "$out/wheels" "$@"
+}
+rm -rf "$out/stage"
+mkdir -p "$out/wheels" "$out/stage/lib" "$out/stage/bin" "$out/build"
+pipdl "nvidia-cuda-runtime-cu12==$cudart" "nvidia-cuda-nvcc-cu12==$nvcc" "nvidia-cuda-cccl-cu12==$cccl"
+unzip -q -o "$out"/wheels/nvidia_cuda_runtime_cu12-"$cudart"-*.whl 'nvidia/cuda_runtime/*' -d "$out/build"
+# nccl.h includes cuda_runtime.h and cuda_fp16.h, which need the crt headers of
+# the nvcc wheel and libcu++'s of the cccl wheel (headers only: nothing of them
+# is staged).
+unzip -q -o "$out"/wheels/nvidia_cuda_nvcc_cu12-"$nvcc"-*.whl 'nvidia/cuda_nvcc/include/*' -d "$out/build"
+unzip -q -o "$out"/wheels/nvidia_cuda_cccl_cu12-"$cccl"-*.whl 'nvidia/cuda_cccl/include/*' -d "$out/build"
+cp -L "$out/build/nvidia/cuda_runtime/lib/libcudart.so.12" "$out/stage/lib/"
+newest=""
+for v in $versions; do
+  pipdl "nvidia-nccl-cu12==$v"
+  rm -rf "$out/build/nccl-$v" && mkdir -p "$out/build/nccl-$v" "$out/stage/nccl-$v"
+  unzip -q -o "$out"/wheels/nvidia_nccl_cu12-"$v"-*.whl 'nvidia/nccl/*' -d "$out/build/nccl-$v"
+  cp -L "$out/build/nccl-$v/nvidia/nccl/lib/libnccl.so.2" "$out/stage/nccl-$v/"
+  newest=$v
+done
+# The check program: NCCL's stable API only, so one build serves every version
+# (the newest header; libnccl.so.2 is found through LD_LIBRARY_PATH at run time).
+inc="$out/build/nccl-$newest/nvidia/nccl/include"
+ln -sf libnccl.so.2 "$out/build/nccl-$newest/nvidia/nccl/lib/libnccl.so"
+ln -sf libcudart.so.12 "$out/build/nvidia/cuda_runtime/lib/libcudart.so"
+gcc -O2 -Wall -o "$out/stage/bin/nccl_check" tools/gpu-check/nccl_check.c \
+  -I "$out/build/nvidia/cuda_runtime/include" -I "$out/build/nvidia/cuda_nvcc/include" -I "$out/build/nvidia/cuda_cccl/include" -I "$inc" \
+  -L "$out/build/nvidia/cuda_runtime/lib" -L "$out/build/nccl-$newest/nvidia/nccl/lib" -lcudart -lnccl
+# Weft, and what it links beyond the C library (libfabric and its providers' dependencies).
+cargo build -q --release -p weft
+cp target/release/libnccl_net_weft.so "$out/stage/lib/libnccl-net-weft.so"
+ldd "$out/stage/lib/libnccl-net-weft.so" | awk '/=> \// { print $3 }' |
+  grep -Ev '/(libc|libm|libdl|libpthread|librt|libgcc_s|ld-linux[^/]*)\.so' |
+  while read -r lib; do cp -L "$lib" "$out/stage/lib/"; done
+cp tools/gpu-check/run.sh "$out/stage/run.sh"
+chmod +x "$out/stage/run.sh"
+echo "gpu-check: staged into $out/stage:"
+(cd "$out/stage" && du -sh -- * lib/* nccl-*/* 2>/dev/null | sort -k2)
+total=$(du -sm "$out/stage" | cut -f1)
+echo "gpu-check: $total MiB in all"
+if [ "$total" -gt 64 ]; then
+  echo "gpu-check: more than the 64 MiB a device run carries: NCCL's libraries hold code for every GPU generation;"
+  echo "  cutting them to one architecture (e.g. sm_90) needs CUDA's nvprune or NCCL built from source, which this script does not do yet"
+fi
