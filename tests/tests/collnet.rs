@@ -196,6 +196,18 @@ fn served<T: Send + 'static>(
     m: usize,
     work: impl Fn(usize, *mut c_void) -> T + Send + Sync + 'static,
 ) -> (Vec<T>, Vec<Stats>) {
+    served_after(provider, n, m, |_| {}, work)
+}
+
+/// [`served`], with `before(reducer handles)` run once the reducers listen
+/// and before the ranks start.
+fn served_after<T: Send + 'static>(
+    provider: &'static str,
+    n: usize,
+    m: usize,
+    before: impl FnOnce(&[[u8; HANDLE_SIZE]]),
+    work: impl Fn(usize, *mut c_void) -> T + Send + Sync + 'static,
+) -> (Vec<T>, Vec<Stats>) {
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = mpsc::channel();
     let reducers: Vec<_> = (0..m)
@@ -218,6 +230,7 @@ fn served<T: Send + 'static>(
         let (k, h) = rx.recv().expect("a reducer's handle");
         rh[k] = h;
     }
+    before(&rh);
     let rh = Arc::new(rh);
     let handles = Arc::new(Mutex::new(vec![[0u8; HANDLE_SIZE]; n]));
     let barrier = Arc::new(Barrier::new(n));
@@ -1014,5 +1027,62 @@ fn shm_64_mib_in_plugin_and_through_a_reducer() {
             );
         }
         println!("64 MiB + 3 floats, {m} reducer(s): both ranks bit-identical to the reference");
+    }
+}
+
+/// Garbage from a peer at a reducer (a join of the wrong size, a forged
+/// join) is refused with a warning naming what was wrong, and the reducer
+/// serves the next group as before.
+#[test]
+fn tcp_a_reducer_refuses_forged_joins_and_carries_on() {
+    weft_tests::isolated!();
+    let forge = |rh: &[[u8; HANDLE_SIZE]]| {
+        let ctx = host::init_logged("tcp");
+        let forged = |bytes: Vec<u8>| {
+            let mut h = rh[0];
+            let s = host::connect(ctx, &mut h);
+            let mh = host::reg(s, &bytes);
+            host::wait(host::isend(s, &bytes, collnet::wire::HELLO_TAG, mh));
+            (s, mh, bytes)
+        };
+        let short = forged(vec![0xab; 20]);
+        let mut bad = vec![0xab; collnet::wire::Join::LEN];
+        bad[..4].copy_from_slice(b"WFRJ");
+        let garbage = forged(bad);
+        let warned = |what: &str| {
+            weft_tests::capture::lines()
+                .iter()
+                .any(|l| l.text.contains("reducer") && l.text.contains(what))
+        };
+        weft_tests::poll_until("the reducer's warnings", || {
+            (warned("20 bytes where 160 were due") && warned("malformed CollNet join"))
+                .then_some(())
+        });
+        for (s, mh, _bytes) in [short, garbage] {
+            core::dereg_mr(s, mh).unwrap();
+            core::close_send(s).unwrap();
+        }
+        core::finalize(ctx).unwrap();
+    };
+    let (results, stats) = served_after("tcp", 2, 1, forge, |rank, g| {
+        let data = input(DataType::I32, 1000, rank as u64);
+        allreduce(g, DataType::I32, RedOp::Sum, &data, false)
+    });
+    let want = reference(
+        DataType::I32,
+        RedOp::Sum,
+        &input(DataType::I32, 1000, 0),
+        &input(DataType::I32, 1000, 1),
+    );
+    assert!(
+        results.iter().all(|r| r == &want),
+        "the group after the garbage"
+    );
+    assert_eq!((stats[0].groups, stats[0].ops, stats[0].failed), (1, 1, 0));
+    for l in weft_tests::capture::lines()
+        .iter()
+        .filter(|l| l.text.contains("reducer:"))
+    {
+        println!("{}", l.text);
     }
 }

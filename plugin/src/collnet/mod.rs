@@ -49,16 +49,12 @@ use crate::core::{self, props, RecvArg};
 use crate::error::{Error, Result};
 use crate::proto::wire::HANDLE_SIZE;
 use reduce::{DataType, RedOp};
-use wire::{Header, Join, GREETING_LEN};
+use wire::{Header, Join, GREETING_LEN, HEADER_TAG, HELLO_TAG};
 
 /// Bytes per message of a shard (a multiple of the element size is used).
 pub const CHUNK: usize = 1 << 20;
 /// Messages in flight per peer, phase and direction.
 const WINDOW: usize = 4;
-/// Tag of the greeting on a new group's comms.
-const HELLO_TAG: i32 = 0x7fff_fff0;
-/// Tag of the header that opens an all-reduce at a reducer.
-const HEADER_TAG: i32 = 0x7fff_ffe0;
 /// Operations whose tags differ: an operation's tags are its number modulo
 /// this (so a comm's per-tag counters stay bounded however long the job),
 /// and a group refuses to have more in flight.

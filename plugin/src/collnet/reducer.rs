@@ -28,8 +28,8 @@ use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use super::reduce;
-use super::wire::{self, Header, Join, GREETING_LEN};
-use super::{op_tags, recv, send, HEADER_TAG, HELLO_TAG};
+use super::wire::{self, Header, Join, GREETING_LEN, HEADER_TAG, HELLO_TAG};
+use super::{op_tags, recv, send};
 use crate::core::{self, props};
 use crate::error::{Error, Result};
 use crate::proto::wire::HANDLE_SIZE;
@@ -82,11 +82,19 @@ enum Q {
 }
 
 impl Q {
-    /// Tests a posted request; `true` if it just completed.
-    fn test(&mut self, count: &mut u64, len: usize) -> Result<bool> {
+    /// Tests a posted request of `len` bytes; `true` if it just completed
+    /// (its bytes are added to `count`). A message of another size (a peer
+    /// that truncated or forged one) is an error.
+    fn test(&mut self, len: usize, count: &mut u64) -> Result<bool> {
         if let Q::Posted(q) = *self {
-            if core::test(p(q))?.is_some() {
+            if let Some(d) = core::test(p(q))? {
                 *self = Q::Done;
+                if d.sizes[0] != len {
+                    return Err(Error::remote(format!(
+                        "a message of {} bytes where {len} were due",
+                        d.sizes[0]
+                    )));
+                }
                 *count += len as u64;
                 return Ok(true);
             }
@@ -320,7 +328,7 @@ impl Reducer {
                         pd.q = Q::Posted(q as usize);
                     }
                 }
-                pd.q.test(&mut 0, 0)
+                pd.q.test(Join::LEN, &mut 0)
             })();
             match step {
                 Ok(false) if pd.since.elapsed() <= 2 * self.timeout => i += 1,
@@ -509,7 +517,7 @@ impl Group {
                 }
             }
             progressed |= self.greet[r]
-                .test(&mut 0, 0)
+                .test(GREETING_LEN, &mut 0)
                 .map_err(|e| e.context(format!("greeting rank {r}")))?;
         }
         if self.greet.iter().all(|&q| q == Q::Done) {
@@ -543,7 +551,7 @@ impl Group {
                 }
             }
             progressed |= self.hdr[r]
-                .test(&mut 0, 0)
+                .test(Header::LEN, &mut 0)
                 .map_err(|e| e.context(format!("rank {r}")))?;
         }
         if self.hdr.iter().all(|&q| q == Q::Done) {
@@ -633,7 +641,7 @@ impl Group {
                 }
             }
             for w in op.work.iter_mut() {
-                progressed |= w.up[r].test(&mut self.bytes_in, w.len).map_err(at)?;
+                progressed |= w.up[r].test(w.len, &mut self.bytes_in).map_err(at)?;
             }
         }
         // Reduce in chunk order, each over the ranks in rank order.
@@ -671,7 +679,7 @@ impl Group {
                 }
             }
             for w in op.work.iter_mut() {
-                progressed |= w.down[r].test(&mut self.bytes_out, w.len).map_err(at)?;
+                progressed |= w.down[r].test(w.len, &mut self.bytes_out).map_err(at)?;
             }
         }
         while op

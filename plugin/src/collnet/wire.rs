@@ -15,6 +15,11 @@ pub const REDUCER_BIT: u64 = 1 << 63;
 /// Bytes of a greeting.
 pub const GREETING_LEN: usize = 8;
 
+/// Tag of the greeting (and of a reducer's join) on a new group's comms.
+pub const HELLO_TAG: i32 = 0x7fff_fff0;
+/// Tag of the header that opens an all-reduce at a reducer.
+pub const HEADER_TAG: i32 = 0x7fff_ffe0;
+
 const JOIN_MAGIC: u32 = u32::from_le_bytes(*b"WFRJ");
 const HEADER_MAGIC: u32 = u32::from_le_bytes(*b"WFRH");
 const VERSION: u16 = 1;
