@@ -22,17 +22,38 @@ fn peer_on(c: &Cluster, h: usize, protocol: &str, timeout: &str) -> Peer {
         .env("WEFT_PEER_TIMEOUT", timeout);
     let mut p = Peer::spawn_with(cmd);
     let reply = p.cmd("init-on tcp r0");
-    assert_eq!(reply, "ok device r0", "host {h}: Weft's device is the rail");
+    assert_eq!(
+        reply, "ok devices r0",
+        "host {h}: Weft's device is the rail"
+    );
     p
+}
+
+/// Bytes host `h` sent on rail `r`, as its kernel counts them.
+fn tx_bytes(c: &Cluster, h: usize, r: usize) -> u64 {
+    let out = c
+        .command(h, "cat")
+        .arg(format!("/sys/class/net/r{r}/statistics/tx_bytes"))
+        .output()
+        .expect("read the rail's counter");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("a byte count")
 }
 
 /// Host 1 connects to host 0 over the rail (each `connect`, `accept` in
 /// its own process, as NCCL's ranks do).
 fn connect(a: &mut Peer, b: &mut Peer) {
-    let h = a.cmd("listen");
+    connect_on(a, b, 0);
+}
+
+/// [`connect`] on device `dev` of both.
+fn connect_on(a: &mut Peer, b: &mut Peer, dev: usize) {
+    let h = a.cmd(&format!("listen {dev}"));
     let h = h.strip_prefix("handle ").expect("handle").to_owned();
     a.start("accept");
-    assert_eq!(b.cmd(&format!("connect {h}")), "ok");
+    assert_eq!(b.cmd(&format!("connect {h} {dev}")), "ok");
     assert_eq!(a.reply(), "ok");
 }
 
@@ -158,5 +179,65 @@ fn eight_processes_on_four_hosts_all_to_all() {
             l.contains(&format!(" comms {} ", 2 * (n - 1) * comms)),
             "{l}"
         );
+    }
+}
+
+/// Two rails per host: Weft finds both as devices (`WEFT_IFACE=r`, a
+/// prefix), and a comm on each rail's device moves its data over that
+/// rail and not the other, as the kernel's counters of both rails show.
+#[test]
+fn two_rails_are_two_devices() {
+    let c = Cluster::new(2, 2).expect("the cluster");
+    for protocol in ["rdma", "sendrecv"] {
+        for rail in 0..2 {
+            // Devices come in libfabric's order: find the rail's index.
+            let peer = |h: usize| {
+                let mut cmd = c.command(h, PEER);
+                cmd.env("WEFT_PROTOCOL", protocol)
+                    .env("WEFT_PEER_TIMEOUT", "30");
+                let mut p = Peer::spawn_with(cmd);
+                let reply = p.cmd("init-on tcp r");
+                let names: Vec<String> = reply
+                    .strip_prefix("ok devices ")
+                    .expect("devices")
+                    .split(',')
+                    .map(str::to_owned)
+                    .collect();
+                let mut sorted = names.clone();
+                sorted.sort();
+                assert_eq!(sorted, ["r0", "r1"], "host {h}: both rails are devices");
+                let dev = names.iter().position(|n| *n == format!("r{rail}"));
+                (p, dev.expect("the rail"))
+            };
+            let ((mut a, dev), (mut b, dev_b)) = (peer(0), peer(1));
+            assert_eq!(dev, dev_b, "both hosts list their rails alike");
+            connect_on(&mut a, &mut b, dev);
+            let before = [tx_bytes(&c, 1, 0), tx_bytes(&c, 1, 1)];
+            let (count, size) = (64u64, 1usize << 20);
+            let bytes = count * size as u64;
+            b.start(&format!("send {count} {size} 9"));
+            assert_eq!(
+                a.cmd(&format!("recv {count} {size} 9")),
+                format!("ok {bytes}")
+            );
+            assert_eq!(b.reply(), format!("ok {bytes}"));
+            let after = [tx_bytes(&c, 1, 0), tx_bytes(&c, 1, 1)];
+            let sent = [after[0] - before[0], after[1] - before[1]];
+            println!(
+                "{protocol}: 64 MiB verified on device {dev} (r{rail}); host 1 sent {} bytes on r0, {} on r1",
+                sent[0], sent[1]
+            );
+            assert!(
+                sent[rail] >= bytes,
+                "{protocol}: the data went over r{rail}"
+            );
+            assert!(
+                sent[1 - rail] < 1 << 20,
+                "{protocol}: r{} stayed quiet",
+                1 - rail
+            );
+            a.quit();
+            b.quit();
+        }
     }
 }

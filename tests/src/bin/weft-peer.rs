@@ -247,12 +247,20 @@ impl Peer {
                     ..Default::default()
                 })
                 .map_err(|e| e.to_string())?;
-                let p = core::properties(0).map_err(|e| e.to_string())?;
-                format!("ok device {}", p.name.to_string_lossy())
+                let names = (0..core::devices().map_err(|e| e.to_string())? as i32)
+                    .map(|d| core::properties(d).map(|p| p.name.to_string_lossy().into_owned()))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| e.to_string())?;
+                format!("ok devices {}", names.join(","))
             }
+            // listen [DEV] (device 0 by default)
             Some("listen") => {
-                let (h, l) = host::listen(self.ctx);
-                self.listen = l;
+                let dev = w
+                    .get(1)
+                    .map_or(Ok(0), |d| d.parse::<i32>())
+                    .map_err(|e| e.to_string())?;
+                let mut h = [0u8; 128];
+                self.listen = core::listen(self.ctx, dev, &mut h).map_err(|e| e.to_string())?;
                 format!("handle {}", hex(&h))
             }
             Some("accept") => {
@@ -266,9 +274,16 @@ impl Peer {
                 self.listen = std::ptr::null_mut();
                 "ok".into()
             }
+            // connect HANDLE [DEV]
             Some("connect") => {
                 let mut h = unhex(w.get(1).ok_or("connect needs a handle")?)?;
-                self.send = host::connect(self.ctx, &mut h);
+                let dev = w
+                    .get(2)
+                    .map_or(Ok(0), |d| d.parse::<i32>())
+                    .map_err(|e| e.to_string())?;
+                self.send = weft_tests::poll_until("connect", || {
+                    core::connect(self.ctx, dev, None, &mut h).expect("connect")
+                });
                 "ok".into()
             }
             Some("half-connect") => {
