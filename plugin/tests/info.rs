@@ -62,6 +62,9 @@ fn text_report_names_devices_tables_and_sources() {
         "NCCL 2.30-",
         "ncclCollNetPlugin_v5",
         "rdma (auto:",
+        "GPU memory",
+        "CUDA driver: no CUDA driver library",
+        "FI_HMEM on lo: not asked (no usable CUDA driver)",
     ] {
         assert!(text.contains(want), "the report lacks {want:?}:\n{text}");
     }
@@ -88,6 +91,9 @@ fn json_report_is_what_the_tables_say() {
         .expect("WEFT_PROVIDER");
     assert_eq!(provider["value"], "tcp;ofi_rxm");
     assert_eq!(provider["source"], "environment (WEFT_PROVIDER)");
+    // No GPU here: the driver is missing, so FI_HMEM was not asked for.
+    let driver = r["gpu"]["driver"].as_str().expect("gpu.driver");
+    assert!(driver.contains("libcuda.so.1"), "{driver}");
     // What auto chose, and why: tcp;ofi_rxm offers what rdma needs.
     let proto = r["protocol"].as_str().expect("protocol");
     assert!(

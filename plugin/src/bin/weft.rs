@@ -189,6 +189,23 @@ fn report(lib: &Lib) -> Result<Value, String> {
     let config = Config::from_env().map_err(|e| e.to_string())?;
     let (providers, found) = device::survey(&config).map_err(|e| e.to_string())?;
     let (protocol, why) = nccl_net_weft::proto::choose(config.protocol, &found)?;
+    // GPU memory: the driver, and per device whether the provider offers
+    // FI_HMEM (the rest of the claim, a registration of device memory, is
+    // the plugin's INFO line at init and ptrSupport below).
+    let gpu = json!({
+        "driver": match nccl_net_weft::gpu::driver() {
+            Ok(d) => format!("usable, {} CUDA device(s)", d.devices()),
+            Err(e) => e.to_string(),
+        },
+        "fi_hmem": found
+            .iter()
+            .map(|d| match (&d.hmem, nccl_net_weft::gpu::driver()) {
+                (_, Err(_)) => format!("{}: not asked (no usable CUDA driver)", d.domain),
+                (Ok(()), _) => format!("{}: offered", d.domain),
+                (Err(why), _) => format!("{}: {why}", d.domain),
+            })
+            .collect::<Vec<_>>(),
+    });
     // SAFETY: a plain query of the loaded libfabric.
     let v = unsafe { libfabric_sys::fi_version() };
     let providers: Vec<Value> = providers
@@ -221,6 +238,7 @@ fn report(lib: &Lib) -> Result<Value, String> {
         "configuration": config,
         "providers": providers,
         "protocol": format!("{} ({why})", protocol.name()),
+        "gpu": gpu,
         "devices": devices_through_table(lib)?,
         "tables": tables(lib),
     }))
@@ -257,6 +275,11 @@ fn print_text(r: &Value) {
         );
     }
     println!("\nprotocol:  {}", s(&r["protocol"]));
+    println!("\nGPU memory (ptrSupport CUDA needs all three: driver, FI_HMEM, a device-memory registration at init):");
+    println!("  CUDA driver: {}", s(&r["gpu"]["driver"]));
+    for d in r["gpu"]["fi_hmem"].as_array().into_iter().flatten() {
+        println!("  FI_HMEM on {}", s(d));
+    }
     println!("\ndevices, as NCCL sees them (ncclNetPlugin_v12 getProperties):");
     for (i, d) in r["devices"].as_array().into_iter().flatten().enumerate() {
         println!("  device {i}:");
