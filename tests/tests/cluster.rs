@@ -182,6 +182,34 @@ fn eight_processes_on_four_hosts_all_to_all() {
     }
 }
 
+/// A `weft-peer` on hosts 0 and 1 each, with both rails as devices
+/// (`WEFT_IFACE=r`), connected (1 to 0) on rail `rail`'s device, whose
+/// index is returned (devices come in libfabric's order).
+fn rail_pair(c: &Cluster, protocol: &str, rail: usize, timeout: &str) -> (Peer, Peer, usize) {
+    let peer = |h: usize| {
+        let mut cmd = c.command(h, PEER);
+        cmd.env("WEFT_PROTOCOL", protocol)
+            .env("WEFT_PEER_TIMEOUT", timeout);
+        let mut p = Peer::spawn_with(cmd);
+        let reply = p.cmd("init-on tcp r");
+        let names: Vec<String> = reply
+            .strip_prefix("ok devices ")
+            .expect("devices")
+            .split(',')
+            .map(str::to_owned)
+            .collect();
+        let mut sorted = names.clone();
+        sorted.sort();
+        assert_eq!(sorted, ["r0", "r1"], "host {h}: both rails are devices");
+        let dev = names.iter().position(|n| *n == format!("r{rail}"));
+        (p, dev.expect("the rail"))
+    };
+    let ((mut a, dev), (mut b, dev_b)) = (peer(0), peer(1));
+    assert_eq!(dev, dev_b, "both hosts list their rails alike");
+    connect_on(&mut a, &mut b, dev);
+    (a, b, dev)
+}
+
 /// Two rails per host: Weft finds both as devices (`WEFT_IFACE=r`, a
 /// prefix), and a comm on each rail's device moves its data over that
 /// rail and not the other, as the kernel's counters of both rails show.
@@ -190,28 +218,7 @@ fn two_rails_are_two_devices() {
     let c = Cluster::new(2, 2).expect("the cluster");
     for protocol in ["rdma", "sendrecv"] {
         for rail in 0..2 {
-            // Devices come in libfabric's order: find the rail's index.
-            let peer = |h: usize| {
-                let mut cmd = c.command(h, PEER);
-                cmd.env("WEFT_PROTOCOL", protocol)
-                    .env("WEFT_PEER_TIMEOUT", "30");
-                let mut p = Peer::spawn_with(cmd);
-                let reply = p.cmd("init-on tcp r");
-                let names: Vec<String> = reply
-                    .strip_prefix("ok devices ")
-                    .expect("devices")
-                    .split(',')
-                    .map(str::to_owned)
-                    .collect();
-                let mut sorted = names.clone();
-                sorted.sort();
-                assert_eq!(sorted, ["r0", "r1"], "host {h}: both rails are devices");
-                let dev = names.iter().position(|n| *n == format!("r{rail}"));
-                (p, dev.expect("the rail"))
-            };
-            let ((mut a, dev), (mut b, dev_b)) = (peer(0), peer(1));
-            assert_eq!(dev, dev_b, "both hosts list their rails alike");
-            connect_on(&mut a, &mut b, dev);
+            let (mut a, mut b, dev) = rail_pair(&c, protocol, rail, "30");
             let before = [tx_bytes(&c, 1, 0), tx_bytes(&c, 1, 1)];
             let (count, size) = (64u64, 1usize << 20);
             let bytes = count * size as u64;
@@ -239,5 +246,48 @@ fn two_rails_are_two_devices() {
             a.quit();
             b.quit();
         }
+    }
+}
+
+/// A comm lives on one rail (there are no virtual devices yet): when its
+/// rail goes down it fails within the peer timeout, and a comm on the other
+/// rail carries on.
+#[test]
+fn a_rail_down_fails_its_comms_and_spares_the_other_rail() {
+    const T: f64 = 2.0;
+    let c = Cluster::new(2, 2).expect("the cluster");
+    for protocol in ["rdma", "sendrecv"] {
+        let (mut a0, mut b0, _) = rail_pair(&c, protocol, 0, &T.to_string());
+        let (mut a1, mut b1, _) = rail_pair(&c, protocol, 1, &T.to_string());
+        // A receive in flight on rail 1 when it goes down.
+        b1.start("send 20 65536 5");
+        a1.start("recv 40 65536 5");
+        assert_eq!(b1.reply(), format!("ok {}", 20 * 65536));
+        c.set_link(1, 1, false).expect("rail 1 down");
+        let down = Instant::now();
+        let r = a1.reply_raw();
+        let took = down.elapsed();
+        println!("{protocol}: rail 1 down; its comm failed after {took:?}: {r}");
+        assert!(
+            r.starts_with("error") && r.contains("silent"),
+            "{protocol}: {r}"
+        );
+        assert!(
+            took < Duration::from_secs_f64(2.0 * T + 5.0),
+            "{protocol}: took {took:?}"
+        );
+        // Rail 0 carries on, verified.
+        b0.start("send 50 65536 6");
+        assert_eq!(
+            a0.cmd("recv 50 65536 6"),
+            format!("ok {}", 50 * 65536),
+            "{protocol}: rail 0"
+        );
+        assert_eq!(b0.reply(), format!("ok {}", 50 * 65536));
+        println!("{protocol}: rail 0 carried 50 x 64 KiB after rail 1 went down");
+        c.set_link(1, 1, true).expect("rail 1 up");
+        a0.quit();
+        b0.quit();
+        b1.kill();
     }
 }
