@@ -84,7 +84,7 @@ impl std::fmt::Display for ReducerRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ReducerRef::Handle(h) => {
-                write!(f, "handle {}…", &crate::collnet::wire::to_hex(h)[..16])
+                write!(f, "handle {}…", &crate::proto::wire::hex(h)[..16])
             }
             ReducerRef::File(p) => write!(f, "{}", p.display()),
         }
@@ -419,7 +419,7 @@ impl Config {
                     if item.len() == 2 * crate::proto::wire::HANDLE_SIZE
                         && item.bytes().all(|b| b.is_ascii_hexdigit())
                     {
-                        ReducerRef::Handle(crate::collnet::wire::from_hex(&item).expect("hex"))
+                        ReducerRef::Handle(crate::proto::wire::handle_from_hex(&item).expect("hex"))
                     } else {
                         ReducerRef::File(item.into())
                     }

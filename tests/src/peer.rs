@@ -109,12 +109,10 @@ impl Peer {
     }
 }
 
-/// Hex encoding of a handle, as the peer processes print and read it.
-pub fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
+/// Hex encoding of bytes, as the peer processes print and read handles.
+pub use weft::proto::wire::hex;
 
-/// The inverse of [`hex`]: a 128-byte handle.
+/// A handle from hex (an error naming what was wrong).
 pub fn unhex(s: &str) -> Result<[u8; 128], String> {
     let v = unhex_bytes(s).map_err(|e| format!("handle: {e}"))?;
     let n = v.len();
@@ -122,14 +120,9 @@ pub fn unhex(s: &str) -> Result<[u8; 128], String> {
         .map_err(|_| format!("a handle is 256 hex digits, got {}", 2 * n))
 }
 
-/// The inverse of [`hex`] for any length (endpoint names).
+/// Bytes from hex.
 pub fn unhex_bytes(s: &str) -> Result<Vec<u8>, String> {
-    if s.len() % 2 != 0 || !s.is_ascii() {
-        return Err(format!("{s:?} is not hex bytes"));
-    }
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|e| e.to_string()))
-        .collect()
+    weft::proto::wire::unhex(s).ok_or_else(|| format!("{s:?} is not hex bytes"))
 }
 
 /// A receiving process started with `exe --serve <version> --provider <p>

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use nccl_net_weft::collnet::{reducer::Reducer, wire};
+use nccl_net_weft::collnet::reducer::Reducer;
 use nccl_net_weft::core;
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -105,7 +105,7 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let hex = wire::to_hex(&r.handle());
+    let hex = nccl_net_weft::proto::wire::hex(&r.handle());
     if let Some(path) = &a.handle_file {
         let tmp = path.with_extension("tmp");
         if let Err(e) =

@@ -171,7 +171,7 @@ fn reducer_handles() -> Result<Vec<[u8; HANDLE_SIZE]>> {
                         "WEFT_COLLNET_REDUCERS: cannot read {f}: {e}; start `weft-reducer --handle-file {f}` first, or fix the list"
                     ))
                 })?;
-                wire::from_hex(&text).ok_or_else(|| {
+                crate::proto::wire::handle_from_hex(&text).ok_or_else(|| {
                     Error::usage(format!(
                         "WEFT_COLLNET_REDUCERS: {f} holds no reducer handle ({} hex digits, as `weft-reducer --handle-file` writes)",
                         2 * HANDLE_SIZE

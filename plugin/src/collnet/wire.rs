@@ -221,24 +221,6 @@ pub fn group_key(handles: &[[u8; HANDLE_SIZE]]) -> u64 {
     h
 }
 
-/// A handle as lower-case hex (how `weft-reducer` writes it).
-pub fn to_hex(h: &[u8; HANDLE_SIZE]) -> String {
-    h.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// A handle from hex (surrounding blanks ignored).
-pub fn from_hex(s: &str) -> Option<[u8; HANDLE_SIZE]> {
-    let s = s.trim();
-    if s.len() != 2 * HANDLE_SIZE || !s.is_ascii() {
-        return None;
-    }
-    let mut h = [0u8; HANDLE_SIZE];
-    for (i, b) in h.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
-    }
-    Some(h)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -276,10 +258,12 @@ mod tests {
             ..header()
         };
         assert_eq!(Header::decode(&bye.encode()), Ok(bye));
+        use crate::proto::wire::{handle_from_hex, hex};
         let h = [0xa5u8; HANDLE_SIZE];
-        assert_eq!(from_hex(&format!(" {}\n", to_hex(&h))), Some(h));
-        assert_eq!(from_hex("abc"), None);
-        assert_eq!(from_hex(&"zz".repeat(HANDLE_SIZE)), None);
+        assert_eq!(handle_from_hex(&format!(" {}\n", hex(&h))), Some(h));
+        assert_eq!(handle_from_hex("abc"), None);
+        assert_eq!(handle_from_hex(&"ab".repeat(HANDLE_SIZE - 1)), None);
+        assert_eq!(handle_from_hex(&"zz".repeat(HANDLE_SIZE)), None);
     }
 
     #[test]

@@ -145,6 +145,29 @@ impl ListenHandle {
     }
 }
 
+/// Bytes as lower-case hex: how handles travel in text (handle files,
+/// `weft-reducer`'s output, the tests' peer processes).
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Hex back to bytes (surrounding blanks ignored); `None` if it is not
+/// whole hex bytes.
+pub fn unhex(s: &str) -> Option<Vec<u8>> {
+    let s = s.trim();
+    if s.len() % 2 != 0 || !s.is_ascii() {
+        return None;
+    }
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok())
+        .collect()
+}
+
+/// A handle from its hex.
+pub fn handle_from_hex(s: &str) -> Option<[u8; HANDLE_SIZE]> {
+    unhex(s)?.try_into().ok()
+}
+
 /// Reads the connect stage: `Ok(None)` if none, `Ok(Some(ptr))` if one is in
 /// progress, `Err` if the area holds garbage.
 pub fn read_stage(h: &[u8; HANDLE_SIZE]) -> Result<Option<usize>, HandleError> {
