@@ -648,14 +648,11 @@ pub mod collnet {
     /// # Safety
     /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
     pub unsafe fn devices(a: args::devices) -> Result<()> {
-        let n = core::devices()?;
-        // SAFETY: NCCL's output slot (NULL is refused).
-        unsafe { write(a.ndev, c_int::try_from(n).unwrap_or(c_int::MAX), "ndev") }
+        // SAFETY: forwarded contract; the same single output slot.
+        unsafe { super::net::devices(super::net::args::devices { ndev: a.ndev }) }
     }
     /// `getProperties`: the net device's.
-    pub fn get_properties(dev: c_int, fill: impl FnOnce(&Properties) -> Result<()>) -> Result<()> {
-        core::with_properties(dev, fill)
-    }
+    pub use super::net::get_properties;
     /// `listen`.
     ///
     /// # Safety
