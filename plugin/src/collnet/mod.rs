@@ -1289,7 +1289,7 @@ pub unsafe fn iallgather(
     send_mh: *mut c_void,
 ) -> Result<*mut c_void> {
     let g = comm(c, "iallgather")?;
-    check_window(
+    let shards = window(
         "iallgather",
         &g,
         bytes_per_rank,
@@ -1301,7 +1301,6 @@ pub unsafe fn iallgather(
         core_mh(send_mh, "iallgather")?,
         core_mh(recv_mh, "iallgather")?,
     );
-    let shards = window_shards(g.nranks, bytes_per_rank, window_off, window_bytes);
     let (send, recv) = (send as usize, recv as usize);
     let spec = Spec {
         ty: DataType::U8,
@@ -1344,7 +1343,7 @@ pub unsafe fn ireducescatter(
 ) -> Result<*mut c_void> {
     let g = comm(c, "ireducescatter")?;
     let (dt, rop) = type_op(ty, op, "ireducescatter")?;
-    check_window(
+    let shards = window(
         "ireducescatter",
         &g,
         bytes_per_rank,
@@ -1365,7 +1364,6 @@ pub unsafe fn ireducescatter(
         core_mh(send_mh, "ireducescatter")?,
         core_mh(recv_mh, "ireducescatter")?,
     );
-    let shards = window_shards(g.nranks, bytes_per_rank, window_off, window_bytes);
     let (send, recv) = (send as usize, recv as usize);
     let spec = Spec {
         ty: dt,
@@ -1393,16 +1391,17 @@ fn type_op(ty: i32, op: i32, call: &str) -> Result<(DataType, RedOp)> {
     }
 }
 
-/// A window must lie inside the global buffer, and the part NCCL describes
+/// The ranks' parts cut to the window ([`window_shards`]), once checked: a
+/// window must lie inside the global buffer, and the part NCCL describes
 /// must hold it.
-fn check_window(
+fn window(
     call: &str,
     g: &CollComm,
     per_rank: usize,
     off: usize,
     len: usize,
     part: usize,
-) -> Result<()> {
+) -> Result<Vec<(usize, usize)>> {
     let total = per_rank.checked_mul(g.nranks);
     if total.is_none_or(|t| off.checked_add(len).is_none_or(|e| e > t)) || part < len {
         return Err(Error::internal(format!(
@@ -1410,7 +1409,7 @@ fn check_window(
             g.nranks
         )));
     }
-    Ok(())
+    Ok(window_shards(g.nranks, per_rank, off, len))
 }
 
 /// `test(request)`: `Some(bytes)` once done (the request is then freed).
