@@ -154,6 +154,9 @@ struct Group {
     index: u32,
     nreducers: u32,
     members: Vec<Option<Member>>,
+    /// Each rank's (receive, send) comm, once serving (every rank joined
+    /// and was connected back to).
+    links: Vec<(usize, usize)>,
     phase: Phase,
     since: Instant,
     /// Greeting (8 bytes) then one header slot per rank.
@@ -383,6 +386,7 @@ impl Reducer {
                     index: j.index,
                     nreducers: j.nreducers,
                     members: (0..n).map(|_| None).collect(),
+                    links: Vec::new(),
                     phase: Phase::Joining,
                     since: Instant::now(),
                     msgs,
@@ -464,10 +468,6 @@ impl Group {
         self.phase != Phase::Serving || !self.ops.is_empty() || self.hdr.contains(&Q::Done)
     }
 
-    fn member(&self, r: usize) -> &Member {
-        self.members[r].as_ref().expect("every rank joined")
-    }
-
     /// One step of this group; `true` if anything progressed.
     fn step(&mut self, ctx: usize, dev: i32, timeout: Duration) -> Result<bool> {
         match self.phase {
@@ -521,6 +521,11 @@ impl Group {
                 .map_err(|e| e.context(format!("greeting rank {r}")))?;
         }
         if self.greet.iter().all(|&q| q == Q::Done) {
+            self.links = self
+                .members
+                .iter()
+                .map(|m| m.as_ref().map_or((0, 0), |m| (m.recv, m.send)))
+                .collect();
             self.phase = Phase::Serving;
             progressed = true;
         } else if !progressed && self.since.elapsed() > 2 * timeout {
@@ -542,7 +547,7 @@ impl Group {
         for r in 0..n {
             if self.hdr[r] == Q::Todo && self.ops.len() < QUEUED && !self.bye {
                 let at = self.msgs.at(GREETING_LEN + r * Header::LEN);
-                let c = self.member(r).recv;
+                let c = self.links[r].0;
                 // SAFETY: rank r's header slot of the group's registered buffer.
                 if let Some(q) = unsafe { recv(c, at, Header::LEN, HEADER_TAG, self.msgs.mh) }
                     .map_err(|e| e.context(format!("rank {r}")))?
@@ -599,9 +604,7 @@ impl Group {
     fn advance(&mut self, i: usize) -> Result<bool> {
         let n = self.n;
         let mut progressed = false;
-        let members: Vec<(usize, usize)> = (0..n)
-            .map(|r| (self.member(r).recv, self.member(r).send))
-            .collect();
+        let members = &self.links;
         let any = members[0].0;
         let op = &mut self.ops[i];
         let chunk = op.h.chunk as usize;
