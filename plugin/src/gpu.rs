@@ -63,6 +63,9 @@ pub const SYMBOLS: &[&str] = &[
 #[derive(Debug)]
 pub struct Driver {
     devices: i32,
+    /// Each device's primary context, retained the first time it is needed
+    /// and kept for the process (as NCCL keeps it); 0 until then.
+    contexts: std::sync::Mutex<Vec<usize>>,
 }
 
 static DRIVER: OnceLock<Result<Driver, Unavailable>> = OnceLock::new();
@@ -104,7 +107,10 @@ fn probe() -> Result<Driver, Unavailable> {
     if devices <= 0 {
         return Err(Unavailable::NoDevice);
     }
-    Ok(Driver { devices })
+    Ok(Driver {
+        devices,
+        contexts: std::sync::Mutex::new(vec![0; devices as usize]),
+    })
 }
 
 /// A driver result as text: `call: CUDA_ERROR_NAME (code)`.
@@ -174,17 +180,9 @@ impl Driver {
     /// relaxed for this thread (so that an allocation never lands in, or
     /// breaks, a graph some other thread is capturing).
     fn in_context<T>(&self, dev: i32, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
-        let mut d: sys::CUdevice = 0;
-        // SAFETY: probed symbols; each writes one value.
-        unsafe {
-            check("cuDeviceGet", sys::cuDeviceGet(&mut d, dev))?;
-            let mut ctx: sys::CUcontext = std::ptr::null_mut();
-            check(
-                "cuDevicePrimaryCtxRetain",
-                sys::cuDevicePrimaryCtxRetain(&mut ctx, d),
-            )?;
-            check("cuCtxPushCurrent", sys::cuCtxPushCurrent_v2(ctx))?;
-        }
+        let ctx = self.primary(dev)?;
+        // SAFETY: a probed symbol; `ctx` is a retained primary context.
+        check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(ctx) })?;
         let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         // SAFETY: swaps this thread's capture mode; restored below.
         let relaxed = check("cuThreadExchangeStreamCaptureMode", unsafe {
@@ -192,14 +190,36 @@ impl Driver {
         });
         let out = relaxed.and_then(|()| f());
         // SAFETY: restores the mode swapped out above and pops the context
-        // pushed above (the primary context stays retained for the process,
-        // as NCCL keeps it).
+        // pushed above (the primary context stays retained: `primary`).
         unsafe {
             sys::cuThreadExchangeStreamCaptureMode(&mut mode);
             let mut popped: sys::CUcontext = std::ptr::null_mut();
             sys::cuCtxPopCurrent_v2(&mut popped);
         }
         out
+    }
+
+    /// Device `dev`'s primary context, retained once.
+    fn primary(&self, dev: i32) -> Result<sys::CUcontext, String> {
+        let mut contexts = self.contexts.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = usize::try_from(dev)
+            .ok()
+            .and_then(|d| contexts.get_mut(d))
+            .ok_or_else(|| format!("device {dev}: the driver lists {}", self.devices))?;
+        if *slot == 0 {
+            let mut d: sys::CUdevice = 0;
+            let mut ctx: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: probed symbols; each writes one value.
+            unsafe {
+                check("cuDeviceGet", sys::cuDeviceGet(&mut d, dev))?;
+                check(
+                    "cuDevicePrimaryCtxRetain",
+                    sys::cuDevicePrimaryCtxRetain(&mut ctx, d),
+                )?;
+            }
+            *slot = ctx as usize;
+        }
+        Ok(*slot as sys::CUcontext)
     }
 
     /// `bytes` of device memory on device `dev`.
