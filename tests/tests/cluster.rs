@@ -15,17 +15,33 @@ use weft_tests::peer::Peer;
 const PEER: &str = env!("CARGO_BIN_EXE_weft-peer");
 const ALLTOALL: &str = env!("CARGO_BIN_EXE_weft-alltoall");
 
-/// A `weft-peer` on host `h`, initialised on its rail 0.
-fn peer_on(c: &Cluster, h: usize, protocol: &str, timeout: &str) -> Peer {
+/// A `weft-peer` on host `h`, initialised over tcp on the interfaces
+/// `iface` keeps (`WEFT_IFACE`'s forms); its devices' names, in order.
+fn spawn_peer(
+    c: &Cluster,
+    h: usize,
+    protocol: &str,
+    timeout: &str,
+    iface: &str,
+) -> (Peer, Vec<String>) {
     let mut cmd = c.command(h, PEER);
     cmd.env("WEFT_PROTOCOL", protocol)
         .env("WEFT_PEER_TIMEOUT", timeout);
     let mut p = Peer::spawn_with(cmd);
-    let reply = p.cmd("init-on tcp r0");
-    assert_eq!(
-        reply, "ok devices r0",
-        "host {h}: Weft's device is the rail"
-    );
+    let reply = p.cmd(&format!("init-on tcp {iface}"));
+    let names = reply
+        .strip_prefix("ok devices ")
+        .expect("devices")
+        .split(',')
+        .map(str::to_owned)
+        .collect();
+    (p, names)
+}
+
+/// A `weft-peer` on host `h`, whose one device is its rail 0.
+fn peer_on(c: &Cluster, h: usize, protocol: &str, timeout: &str) -> Peer {
+    let (p, names) = spawn_peer(c, h, protocol, timeout, "r0");
+    assert_eq!(names, ["r0"], "host {h}: Weft's device is the rail");
     p
 }
 
@@ -187,17 +203,7 @@ fn eight_processes_on_four_hosts_all_to_all() {
 /// index is returned (devices come in libfabric's order).
 fn rail_pair(c: &Cluster, protocol: &str, rail: usize, timeout: &str) -> (Peer, Peer, usize) {
     let peer = |h: usize| {
-        let mut cmd = c.command(h, PEER);
-        cmd.env("WEFT_PROTOCOL", protocol)
-            .env("WEFT_PEER_TIMEOUT", timeout);
-        let mut p = Peer::spawn_with(cmd);
-        let reply = p.cmd("init-on tcp r");
-        let names: Vec<String> = reply
-            .strip_prefix("ok devices ")
-            .expect("devices")
-            .split(',')
-            .map(str::to_owned)
-            .collect();
+        let (p, names) = spawn_peer(c, h, protocol, timeout, "r");
         let mut sorted = names.clone();
         sorted.sort();
         assert_eq!(sorted, ["r0", "r1"], "host {h}: both rails are devices");
