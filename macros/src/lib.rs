@@ -19,7 +19,8 @@
 //! serve is a compile error naming it and the version, unless the mapping
 //! says `null` (only for members NCCL treats as optional) or gives a value.
 //! The default mapping leaves NULL what Weft does not offer: device offload
-//! (`getDeviceMr`, `irecvConsumed`), DMA-BUF and NIC fusion (`makeVDevice`).
+//! (`getDeviceMr`, `irecvConsumed`), DMA-BUF, and NIC fusion for CollNet
+//! (`makeVDevice` of the CollNet tables; the net tables serve it).
 
 use proc_macro::TokenStream;
 use proc_macro2::{Span, TokenStream as Tokens};
@@ -47,6 +48,7 @@ const SERVED_NET: &[&str] = &[
     "closeListen",
     "finalize",
     "setNetAttr",
+    "makeVDevice",
 ];
 const SERVED_COLLNET: &[&str] = &[
     "init",
@@ -91,9 +93,11 @@ const MANDATORY: &[&str] = &[
     "iallreduce",
     "closeColl",
 ];
-/// What the default mapping leaves NULL: no device offload, no DMA-BUF, no
-/// NIC fusion.
-const DEFAULT_NULL: &[&str] = &["getDeviceMr", "irecvConsumed", "makeVDevice", "regMrDmaBuf"];
+/// What the default mapping leaves NULL: no device offload, no DMA-BUF.
+const DEFAULT_NULL: &[&str] = &["getDeviceMr", "irecvConsumed", "regMrDmaBuf"];
+/// And for CollNet, no NIC fusion (NCCL then runs CollNet on physical
+/// devices).
+const DEFAULT_NULL_COLLNET: &[&str] = &["makeVDevice"];
 
 /// The hand-written part of an invocation.
 struct Mapping {
@@ -291,6 +295,9 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
 
     // Mapped NULLs (added to the defaults) must be optional members of this table.
     let mut null: Vec<String> = DEFAULT_NULL.iter().map(|s| (*s).to_owned()).collect();
+    if family == "collnet" {
+        null.extend(DEFAULT_NULL_COLLNET.iter().map(|s| (*s).to_owned()));
+    }
     for id in &m.null {
         let n = id.to_string();
         if MANDATORY.contains(&n.as_str()) {

@@ -277,6 +277,67 @@ sge!(collnet_v8::ncclNetSGE_v8_t => Narrow, collnet_v9::ncclNetSGE_v9_t => Wide,
      collnet_v10::ncclNetSGE_v10_t => Wide, collnet_v11::ncclNetSGE_v11_t => Wide,
      collnet_v12::ncclNetSGE_v12_t => Wide);
 
+/// `ncclNetVDeviceProps_vN_t*` of any version (v9+): `{int ndevs; int
+/// devs[cap]}`, where `cap` is 4 up to v11 and 8 from v12.
+#[derive(Debug, Clone, Copy)]
+pub struct VProps {
+    ptr: *const c_int,
+    cap: usize,
+}
+
+impl Default for VProps {
+    fn default() -> Self {
+        Self {
+            ptr: std::ptr::null(),
+            cap: 0,
+        }
+    }
+}
+
+impl VProps {
+    /// The devices listed.
+    ///
+    /// # Safety
+    /// The pointer is NULL or NCCL's struct of the version it came from.
+    unsafe fn devs(self) -> Result<Vec<i32>> {
+        if self.ptr.is_null() {
+            return Err(Error::internal("makeVDevice: NULL props"));
+        }
+        // SAFETY: NCCL's struct: ndevs, then `cap` ints.
+        let n = unsafe { *self.ptr };
+        let n = usize::try_from(n)
+            .ok()
+            .filter(|n| (1..=self.cap).contains(n))
+            .ok_or_else(|| {
+                Error::internal(format!(
+                    "makeVDevice: ndevs = {n} (1 ..= {} in this API version)",
+                    self.cap
+                ))
+            })?;
+        // SAFETY: n <= cap entries follow ndevs.
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr.add(1), n) }.to_vec())
+    }
+}
+
+macro_rules! vprops {
+    ($($m:ident :: $t:ident),*) => {$(
+        impl Conv<VProps> for *mut crate::$m::$t {
+            fn conv(self) -> VProps {
+                VProps {
+                    ptr: self.cast_const().cast(),
+                    cap: (std::mem::size_of::<crate::$m::$t>() - 4) / 4,
+                }
+            }
+        }
+    )*};
+}
+vprops!(
+    net_v9::ncclNetVDeviceProps_v9_t,
+    net_v10::ncclNetVDeviceProps_v10_t,
+    net_v11::ncclNetVDeviceProps_v11_t,
+    net_v12::ncclNetVDeviceProps_v12_t
+);
+
 /// `ncclNetCommConfig_vN_t` (v10+), the same in every version.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -336,7 +397,23 @@ pub mod net {
             closeListen { listenComm: *mut c_void = NULL }
             finalize { ctx: *mut c_void = NULL }
             setNetAttr { ctx: *mut c_void = NULL, netAttr: *mut c_void = NULL }
+            makeVDevice { d: *mut c_int = std::ptr::null_mut(), props: VProps = VProps::default() }
         }
+    }
+
+    /// `makeVDevice`: fuses physical devices into a virtual one (see
+    /// `proto::stripe`). The output pointer is checked first, so a NULL
+    /// one makes nothing.
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn makeVDevice(a: args::makeVDevice) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let out = unsafe { out_ref(a.d, "d")? };
+        // SAFETY: NCCL's props struct of this version.
+        let devs = unsafe { a.props.devs() }?;
+        *out = core::make_vdevice(&devs, a.props.cap)?;
+        Ok(())
     }
 
     /// `init`: a context per communicator (v11+) or the process context.

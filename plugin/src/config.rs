@@ -64,6 +64,12 @@ pub const PARAMS: &[Param] = &[
         meaning: "how long a peer may stay silent before it is declared dead: connect and accept give up, and every request in flight on a comm to it fails (remote error). Both ends say Alive every timeout/8 from a background thread, so an idle live peer never times out",
     },
     Param {
+        name: "WEFT_STRIPE_SIZE",
+        default: "131072",
+        accepted: "bytes, 4096 ..= 1073741824",
+        meaning: "on a virtual device (NCCL's NIC fusion, `makeVDevice`), messages of this size and more are cut into one 4 KiB-aligned slice per rail; smaller ones go whole, over the rails in turn",
+    },
+    Param {
         name: "WEFT_COLLNET_REDUCERS",
         default: "unset (CollNet reduces among the ranks)",
         accepted: "comma-separated list; each item a file `weft-reducer --handle-file` wrote, or the handle's 256 hex digits that `weft-reducer` printed",
@@ -135,6 +141,8 @@ pub struct Config {
     pub link_speed_mbps: Option<u32>,
     /// Peer liveness timeout.
     pub peer_timeout: Duration,
+    /// Virtual devices stripe messages of this size and more.
+    pub stripe_size: usize,
     /// CollNet reduction servers.
     pub collnet_reducers: Vec<ReducerRef>,
     /// Where each parameter of [`PARAMS`] came from, in that order.
@@ -412,6 +420,10 @@ impl Config {
             c.peer_timeout = seconds("WEFT_PEER_TIMEOUT", &v, 0.1, 3600.0)?;
             set("WEFT_PEER_TIMEOUT", Source::Env("WEFT_PEER_TIMEOUT"));
         }
+        if let Some(v) = get("WEFT_STRIPE_SIZE") {
+            c.stripe_size = int("WEFT_STRIPE_SIZE", &v, 4096usize, 1 << 30)?;
+            set("WEFT_STRIPE_SIZE", Source::Env("WEFT_STRIPE_SIZE"));
+        }
         if let Some(v) = get("WEFT_COLLNET_REDUCERS") {
             c.collnet_reducers = list("WEFT_COLLNET_REDUCERS", &v)?
                 .into_iter()
@@ -452,6 +464,7 @@ impl Config {
             self.link_speed_mbps
                 .map_or_else(|| "(sysfs, else 10000)".to_owned(), |s| s.to_string()),
             format!("{:.3} s", self.peer_timeout.as_secs_f64()),
+            format!("{} bytes", self.stripe_size),
             if self.collnet_reducers.is_empty() {
                 "(none)".to_owned()
             } else {
@@ -487,6 +500,7 @@ impl Default for Config {
             eager_size: 8192,
             link_speed_mbps: None,
             peer_timeout: Duration::from_secs(30),
+            stripe_size: 128 << 10,
             collnet_reducers: Vec::new(),
             sources: vec![Source::Default; PARAMS.len()],
         }

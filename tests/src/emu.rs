@@ -144,6 +144,11 @@ pub trait Net: Sync {
     unsafe fn close_recv(&self, c: *mut c_void) -> c_int;
     unsafe fn close_listen(&self, c: *mut c_void) -> c_int;
     unsafe fn finalize(&self, ctx: *mut c_void) -> c_int;
+    /// `makeVDevice` with `ndevs` and `devs` (v9+; `None` where the table
+    /// has no such member): the result and the index written.
+    unsafe fn make_vdevice(&self, ndevs: c_int, devs: &[c_int]) -> Option<(c_int, c_int)>;
+    /// `vProps` of device `dev` (v9+).
+    unsafe fn vprops(&self, dev: c_int) -> Option<Vec<c_int>>;
 }
 
 /// NCCL's debug logger: the capturing one from `c/capture_logger.c`.
@@ -154,7 +159,7 @@ pub fn logger() -> Option<g::adapter::Logger> {
 macro_rules! net_impl {
     ($name:ident, $m:ident, $T:ident, $P:ident, $v:literal,
      init: $init:ident, ctx: $ctx:ident, connect: $conn:ident, accept: $acc:ident,
-     regsize: $rs:ty, size: $sz:ty, phandle: $ph:ident, regglobal: $rg:ident) => {
+     regsize: $rs:ty, size: $sz:ty, phandle: $ph:ident, regglobal: $rg:ident, vdev: $vd:ident) => {
         /// The table of this version, as NCCL sees it.
         #[allow(missing_debug_implementations)]
         pub struct $name(pub &'static g::$m::$T);
@@ -210,8 +215,34 @@ macro_rules! net_impl {
             unsafe fn finalize(&self, ctx: *mut c_void) -> c_int {
                 net_impl!(@finalize $init, self.0, ctx)
             }
+            unsafe fn make_vdevice(&self, ndevs: c_int, devs: &[c_int]) -> Option<(c_int, c_int)> {
+                net_impl!(@mkv $vd, self.0, $m, ndevs, devs)
+            }
+            unsafe fn vprops(&self, dev: c_int) -> Option<Vec<c_int>> {
+                net_impl!(@vprops $vd, self.0, $m, $P, dev)
+            }
         }
     };
+    (@mkv none, $t:expr, $m:ident, $n:ident, $devs:ident) => {{ let _ = ($n, $devs); None }};
+    (@mkv $VP:ident, $t:expr, $m:ident, $n:ident, $devs:ident) => {{
+        let mut p: g::$m::$VP = unsafe { std::mem::zeroed() };
+        p.ndevs = $n;
+        for (slot, d) in p.devs.iter_mut().zip($devs) {
+            *slot = *d;
+        }
+        let mut d: c_int = -7;
+        let f = $t.makeVDevice?;
+        Some((unsafe { f(&mut d, &mut p) }, d))
+    }};
+    (@vprops none, $t:expr, $m:ident, $P:ident, $dev:ident) => {{ let _ = $dev; None }};
+    (@vprops $VP:ident, $t:expr, $m:ident, $P:ident, $dev:ident) => {{
+        let mut p: g::$m::$P = unsafe { std::mem::zeroed() };
+        if unsafe { ($t.getProperties.unwrap())($dev, &mut p) } != 0 {
+            return None;
+        }
+        let n = usize::try_from(p.vProps.ndevs).ok()?.min(p.vProps.devs.len());
+        Some(p.vProps.devs[..n].to_vec())
+    }};
     (@init log, $t:expr, $ctx:ident) => {{ *$ctx = std::ptr::null_mut(); unsafe { ($t.init.unwrap())(logger()) } }};
     (@init logprof, $t:expr, $ctx:ident) => {{ *$ctx = std::ptr::null_mut(); unsafe { ($t.init.unwrap())(logger(), std::ptr::null_mut()) } }};
     (@init ctx, $t:expr, $ctx:ident) => {{
@@ -254,14 +285,14 @@ macro_rules! net_impl {
     }};
 }
 
-net_impl!(NetV5, net_v5, ncclNet_v5_t, ncclNetProperties_v5_t, 5, init: log, ctx: noctx, connect: plain, accept: plain, regsize: c_int, size: c_int, phandle: no, regglobal: no);
-net_impl!(NetV6, net_v6, ncclNet_v6_t, ncclNetProperties_v6_t, 6, init: log, ctx: noctx, connect: plain, accept: plain, regsize: c_int, size: c_int, phandle: no, regglobal: no);
-net_impl!(NetV7, net_v7, ncclNet_v7_t, ncclNetProperties_v7_t, 7, init: log, ctx: noctx, connect: dev, accept: dev, regsize: c_int, size: c_int, phandle: no, regglobal: no);
-net_impl!(NetV8, net_v8, ncclNet_v8_t, ncclNetProperties_v8_t, 8, init: log, ctx: noctx, connect: dev, accept: dev, regsize: usize, size: c_int, phandle: no, regglobal: yes);
-net_impl!(NetV9, net_v9, ncclNet_v9_t, ncclNetProperties_v9_t, 9, init: log, ctx: noctx, connect: dev, accept: dev, regsize: usize, size: usize, phandle: no, regglobal: yes);
-net_impl!(NetV10, net_v10, ncclNet_v10_t, ncclNetProperties_v10_t, 10, init: logprof, ctx: noctx, connect: config, accept: dev, regsize: usize, size: usize, phandle: yes, regglobal: yes);
-net_impl!(NetV11, net_v11, ncclNet_v11_t, ncclNetProperties_v11_t, 11, init: ctx, ctx: ctx, connect: ctx, accept: dev, regsize: usize, size: usize, phandle: yes, regglobal: yes);
-net_impl!(NetV12, net_v12, ncclNet_v12_t, ncclNetProperties_v12_t, 12, init: ctx, ctx: ctx, connect: ctx, accept: dev, regsize: usize, size: usize, phandle: yes, regglobal: yes);
+net_impl!(NetV5, net_v5, ncclNet_v5_t, ncclNetProperties_v5_t, 5, init: log, ctx: noctx, connect: plain, accept: plain, regsize: c_int, size: c_int, phandle: no, regglobal: no, vdev: none);
+net_impl!(NetV6, net_v6, ncclNet_v6_t, ncclNetProperties_v6_t, 6, init: log, ctx: noctx, connect: plain, accept: plain, regsize: c_int, size: c_int, phandle: no, regglobal: no, vdev: none);
+net_impl!(NetV7, net_v7, ncclNet_v7_t, ncclNetProperties_v7_t, 7, init: log, ctx: noctx, connect: dev, accept: dev, regsize: c_int, size: c_int, phandle: no, regglobal: no, vdev: none);
+net_impl!(NetV8, net_v8, ncclNet_v8_t, ncclNetProperties_v8_t, 8, init: log, ctx: noctx, connect: dev, accept: dev, regsize: usize, size: c_int, phandle: no, regglobal: yes, vdev: none);
+net_impl!(NetV9, net_v9, ncclNet_v9_t, ncclNetProperties_v9_t, 9, init: log, ctx: noctx, connect: dev, accept: dev, regsize: usize, size: usize, phandle: no, regglobal: yes, vdev: ncclNetVDeviceProps_v9_t);
+net_impl!(NetV10, net_v10, ncclNet_v10_t, ncclNetProperties_v10_t, 10, init: logprof, ctx: noctx, connect: config, accept: dev, regsize: usize, size: usize, phandle: yes, regglobal: yes, vdev: ncclNetVDeviceProps_v10_t);
+net_impl!(NetV11, net_v11, ncclNet_v11_t, ncclNetProperties_v11_t, 11, init: ctx, ctx: ctx, connect: ctx, accept: dev, regsize: usize, size: usize, phandle: yes, regglobal: yes, vdev: ncclNetVDeviceProps_v11_t);
+net_impl!(NetV12, net_v12, ncclNet_v12_t, ncclNetProperties_v12_t, 12, init: ctx, ctx: ctx, connect: ctx, accept: dev, regsize: usize, size: usize, phandle: yes, regglobal: yes, vdev: ncclNetVDeviceProps_v12_t);
 
 /// Looks up `ncclNetPlugin_v<version>` and wraps it.
 pub fn net(lib: &libloading::os::unix::Library, version: u32) -> Box<dyn Net> {

@@ -50,8 +50,13 @@ fn init_with_logger(provider: &str, logger: Option<weft::log::NcclDebugLogger>) 
 
 /// listen on device 0.
 pub fn listen(ctx: *mut c_void) -> ([u8; HANDLE_SIZE], *mut c_void) {
+    listen_on(ctx, 0)
+}
+
+/// listen on device `dev`.
+pub fn listen_on(ctx: *mut c_void, dev: i32) -> ([u8; HANDLE_SIZE], *mut c_void) {
     let mut h = [0u8; HANDLE_SIZE];
-    let l = core::listen(ctx, 0, &mut h).expect("listen");
+    let l = core::listen(ctx, dev, &mut h).expect("listen");
     (h, l)
 }
 
@@ -62,10 +67,20 @@ pub fn connect_pair(
     handle: &mut [u8; HANDLE_SIZE],
     listen: *mut c_void,
 ) -> (*mut c_void, *mut c_void) {
+    connect_pair_on(ctx, 0, handle, listen)
+}
+
+/// [`connect_pair`] on device `dev`.
+pub fn connect_pair_on(
+    ctx: *mut c_void,
+    dev: i32,
+    handle: &mut [u8; HANDLE_SIZE],
+    listen: *mut c_void,
+) -> (*mut c_void, *mut c_void) {
     let (mut s, mut r) = (None, None);
     poll_until("connect + accept", || {
         if s.is_none() {
-            s = core::connect(ctx, 0, None, handle).expect("connect");
+            s = core::connect(ctx, dev, None, handle).expect("connect");
         }
         if r.is_none() {
             r = core::accept(listen).expect("accept");
@@ -77,8 +92,13 @@ pub fn connect_pair(
 /// A connected pair on device 0, set up as NCCL does it (the listener is
 /// closed as soon as accept returned).
 pub fn pair(ctx: *mut c_void) -> (*mut c_void, *mut c_void) {
-    let (mut h, l) = listen(ctx);
-    let sr = connect_pair(ctx, &mut h, l);
+    pair_on(ctx, 0)
+}
+
+/// [`pair`] on device `dev`.
+pub fn pair_on(ctx: *mut c_void, dev: i32) -> (*mut c_void, *mut c_void) {
+    let (mut h, l) = listen_on(ctx, dev);
+    let sr = connect_pair_on(ctx, dev, &mut h, l);
     core::close_listen(l).expect("closeListen");
     sr
 }

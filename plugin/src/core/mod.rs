@@ -26,7 +26,7 @@ use crate::fabric::{Domain, DomainRegistrar, Mr};
 use crate::gpu::MemKind;
 use crate::log::NcclDebugLogger;
 use crate::mr::{MrCache, Region};
-use crate::proto::wire::{self, ListenHandle, HANDLE_SIZE};
+use crate::proto::wire::{self, HANDLE_SIZE};
 use crate::proto::{self, heartbeat_period, Protocol, RecvBuf, ReqId};
 use handles::{Registry, ReqKind};
 use profiler::{Events, Profiler};
@@ -42,6 +42,26 @@ pub struct Plugin {
     pub props: Vec<Properties>,
     /// The protocol every comm uses.
     pub protocol: Arc<dyn Protocol>,
+    /// Virtual devices `makeVDevice` made; NCCL numbers them after the
+    /// physical ones.
+    pub vdevs: Mutex<Vec<VDev>>,
+}
+
+/// A virtual device: rails that NCCL fused into one NIC.
+#[derive(Debug, Clone)]
+pub struct VDev {
+    /// Its rails, in NCCL's order.
+    pub rails: Vec<Arc<DeviceState>>,
+    /// What `getProperties` reports for it.
+    pub props: Properties,
+}
+
+/// A device as NCCL numbers it: a physical one (one rail) or a virtual one.
+#[derive(Debug, Clone)]
+struct Dev {
+    index: usize,
+    rails: Vec<Arc<DeviceState>>,
+    virtual_: bool,
 }
 
 /// A context: per communicator (v11+) or the one process context (older).
@@ -56,21 +76,31 @@ pub struct Ctx {
     plugin: Arc<Plugin>,
 }
 
-/// A memory handle: one reference to a cached registration, and the range
-/// NCCL registered, which every buffer passed with the handle must lie in.
+/// A memory handle: one reference to a cached registration on each rail
+/// of the device (one, except on a virtual device), and the range NCCL
+/// registered, which every buffer passed with the handle must lie in.
 #[derive(Debug)]
 pub struct MrHandle {
     dev: usize,
     addr: usize,
     len: usize,
-    region: Arc<Region<Mr>>,
+    regions: Vec<(Arc<DeviceState>, Arc<Region<Mr>>)>,
+    /// The registrations as the comms take them, in rail order.
+    mems: Vec<proto::Mem>,
 }
 
-/// A listen comm and the profiler of the context it was opened in (its
-/// receive comms report to it).
+impl MrHandle {
+    fn kind(&self) -> MemKind {
+        self.regions[0].1.kind()
+    }
+}
+
+/// A listen comm, its device's index, and the profiler of the context it
+/// was opened in (its receive comms report to it).
 #[derive(Debug)]
 struct Listener {
     comm: Arc<dyn proto::Listener>,
+    dev: usize,
     profiler: Option<Profiler>,
 }
 
@@ -79,6 +109,8 @@ struct Listener {
 #[derive(Debug)]
 struct Connected<C: ?Sized> {
     comm: Arc<C>,
+    /// NCCL's index of its device.
+    dev: usize,
     events: Events,
 }
 
@@ -86,9 +118,10 @@ type Sender = Connected<dyn proto::Sender>;
 type Receiver = Connected<dyn proto::Receiver>;
 
 impl<C: proto::Comm + ?Sized> Connected<C> {
-    fn new(comm: Arc<C>, profiler: Option<Profiler>) -> Self {
+    fn new(comm: Arc<C>, dev: usize, profiler: Option<Profiler>) -> Self {
         Self {
-            events: Events::new(profiler, comm.dev().index, &comm.peer_name()),
+            events: Events::new(profiler, dev, &comm.peer_name()),
+            dev,
             comm,
         }
     }
@@ -217,6 +250,7 @@ fn start(config: Option<Config>) -> Result<Running> {
             devices,
             props: all_props,
             protocol,
+            vdevs: Mutex::new(Vec::new()),
         }),
         keeper,
     })
@@ -369,22 +403,92 @@ fn ctx(p: *mut c_void) -> Result<Arc<Ctx>> {
     })
 }
 
-/// `devices()`.
+/// `devices()`: the physical devices, then the virtual ones.
 pub fn devices() -> Result<usize> {
-    Ok(plugin()?.devices.len())
+    let p = plugin()?;
+    let v = p.vdevs.lock().unwrap_or_else(|e| e.into_inner()).len();
+    Ok(p.devices.len() + v)
 }
 
-fn device(plugin: &Plugin, dev: i32) -> Result<Arc<DeviceState>> {
-    usize::try_from(dev)
-        .ok()
-        .and_then(|d| plugin.devices.get(d))
-        .cloned()
-        .ok_or_else(|| {
-            Error::internal(format!(
-                "device {dev} does not exist: Weft has {} device(s)",
-                plugin.devices.len()
-            ))
-        })
+fn device(plugin: &Plugin, dev: i32) -> Result<Dev> {
+    let vdevs = plugin.vdevs.lock().unwrap_or_else(|e| e.into_inner());
+    let nphys = plugin.devices.len();
+    let d = usize::try_from(dev).ok();
+    if let Some(p) = d.and_then(|d| plugin.devices.get(d)) {
+        return Ok(Dev {
+            index: p.index,
+            rails: vec![Arc::clone(p)],
+            virtual_: false,
+        });
+    }
+    if let Some(v) = d.and_then(|d| vdevs.get(d.wrapping_sub(nphys))) {
+        return Ok(Dev {
+            index: d.unwrap_or_default(),
+            rails: v.rails.clone(),
+            virtual_: true,
+        });
+    }
+    Err(Error::internal(format!(
+        "device {dev} does not exist: Weft has {nphys} device(s) and {} virtual one(s)",
+        vdevs.len()
+    )))
+}
+
+/// Physical device `dev` (test hooks and counters are per physical device).
+fn physical(plugin: &Plugin, dev: i32) -> Result<Arc<DeviceState>> {
+    let d = device(plugin, dev)?;
+    if d.virtual_ {
+        return Err(Error::internal(format!(
+            "device {dev} is a virtual device; this needs a physical one"
+        )));
+    }
+    Ok(Arc::clone(&d.rails[0]))
+}
+
+/// `makeVDevice(d, props)`: fuses the physical devices `devs` (1 ..= `max`,
+/// distinct) into a virtual device; returns its index, which comes after
+/// every physical device and every earlier virtual one.
+pub fn make_vdevice(devs: &[i32], max: usize) -> Result<i32> {
+    let p = plugin()?;
+    let nphys = p.devices.len();
+    if devs.is_empty() || devs.len() > max.min(wire::MAX_RAILS) {
+        return Err(Error::internal(format!(
+            "makeVDevice: {} devices (1 ..= {})",
+            devs.len(),
+            max.min(wire::MAX_RAILS)
+        )));
+    }
+    let mut rails: Vec<Arc<DeviceState>> = Vec::with_capacity(devs.len());
+    for &d in devs {
+        let dev = usize::try_from(d)
+            .ok()
+            .and_then(|i| p.devices.get(i))
+            .ok_or_else(|| {
+                Error::internal(format!(
+                    "makeVDevice: device {d} is not a physical device (0 ..= {})",
+                    nphys.saturating_sub(1)
+                ))
+            })?;
+        if rails.iter().any(|r| r.index == dev.index) {
+            return Err(Error::internal(format!(
+                "makeVDevice: device {d} is listed twice"
+            )));
+        }
+        rails.push(Arc::clone(dev));
+    }
+    let members: Vec<&Properties> = rails.iter().map(|r| &p.props[r.index]).collect();
+    let props = props::fused(&members, devs);
+    let mut vdevs = p.vdevs.lock().unwrap_or_else(|e| e.into_inner());
+    let index = nphys + vdevs.len();
+    tracing::info!(
+        target: "weft::init",
+        "virtual device {index} ({}): rails {devs:?}, {} Mbps; messages of {} bytes and more are striped over the rails (WEFT_STRIPE_SIZE)",
+        props.name.to_string_lossy(),
+        props.speed,
+        p.config.stripe_size
+    );
+    vdevs.push(VDev { rails, props });
+    i32::try_from(index).map_err(|_| Error::internal("makeVDevice: too many devices"))
 }
 
 /// `WEFT_PEER_TIMEOUT` of the running plugin.
@@ -402,14 +506,36 @@ pub fn properties(dev: i32) -> Result<Properties> {
     with_properties(dev, |p| Ok(p.clone()))
 }
 
-/// `listen(ctx, dev, handle)`: never blocks.
+/// `listen(ctx, dev, handle)`: never blocks. On a virtual device, one
+/// listener per rail and a handle that lists them all.
 pub fn listen(ctx_p: *mut c_void, dev: i32, handle: &mut [u8; HANDLE_SIZE]) -> Result<*mut c_void> {
     let c = ctx(ctx_p)?;
     let d = device(&c.plugin, dev)?;
-    let (comm, h) = c.plugin.protocol.listen(d)?;
-    h.encode(handle).map_err(|e| Error::system(e.to_string()))?;
+    let nonce = proto::handshake::nonce();
+    let comm = if d.virtual_ {
+        let mut rails = Vec::with_capacity(d.rails.len());
+        let mut handles = Vec::with_capacity(d.rails.len());
+        for (i, r) in d.rails.iter().enumerate() {
+            let (l, h) = c
+                .plugin
+                .protocol
+                .listen(Arc::clone(r), nonce.wrapping_add(i as u64))?;
+            rails.push(l);
+            handles.push(h);
+        }
+        wire::encode_rails(&handles, handle).map_err(|e| Error::system(e.to_string()))?;
+        Arc::new(proto::stripe::StripedListen::new(
+            rails,
+            c.plugin.config.stripe_size,
+        ))
+    } else {
+        let (l, h) = c.plugin.protocol.listen(Arc::clone(&d.rails[0]), nonce)?;
+        h.encode(handle).map_err(|e| Error::system(e.to_string()))?;
+        l
+    };
     Ok(REG.listen.insert(Arc::new(Listener {
         comm,
+        dev: d.index,
         profiler: c.profiler,
     })))
 }
@@ -430,7 +556,8 @@ pub fn connect(
 ) -> Result<Option<*mut c_void>> {
     let c = ctx(ctx_p)?;
     let stage = wire::read_stage(handle).map_err(|e| Error::internal(e.to_string()))?;
-    let h = ListenHandle::decode(handle).map_err(|e| Error::internal(e.to_string()))?;
+    let (rails, striped) = wire::decode_any(handle).map_err(|e| Error::internal(e.to_string()))?;
+    let h = &rails[0];
     let ours = c.plugin.protocol.wire_id();
     if h.proto != ours {
         let name = |p: u8| match p {
@@ -445,13 +572,38 @@ pub fn connect(
             name(ours)
         )));
     }
+    let d = device(&c.plugin, dev)?;
+    if striped != d.virtual_ || rails.len() != d.rails.len() {
+        let what = |v: bool, n: usize| {
+            if v {
+                format!("a virtual device of {n} rail(s)")
+            } else {
+                "a physical device".to_owned()
+            }
+        };
+        return Err(Error::internal(format!(
+            "connect: the listener is on {}, this connect on device {dev}, {}; NCCL fused NICs differently on the two hosts (give them the same NICs, or set NCCL_NET_MERGE_LEVEL=LOC to fuse none)",
+            what(striped, rails.len()),
+            what(d.virtual_, d.rails.len())
+        )));
+    }
     let (comm, p) = match stage {
         None => {
-            let d = device(&c.plugin, dev)?;
-            let comm =
-                c.plugin
-                    .protocol
-                    .connect(d, &h, traffic_class.unwrap_or(c.traffic_class))?;
+            let tc = traffic_class.unwrap_or(c.traffic_class);
+            let comm: Arc<dyn proto::Sender> = if d.virtual_ {
+                let members = d
+                    .rails
+                    .iter()
+                    .zip(&rails)
+                    .map(|(r, h)| c.plugin.protocol.connect(Arc::clone(r), h, tc))
+                    .collect::<Result<Vec<_>>>()?;
+                Arc::new(proto::stripe::StripedSend::new(
+                    members,
+                    c.plugin.config.stripe_size,
+                )?)
+            } else {
+                c.plugin.protocol.connect(Arc::clone(&d.rails[0]), h, tc)?
+            };
             let p = REG.connecting.insert(Arc::clone(&comm));
             wire::write_stage(handle, Some(p as usize));
             (comm, p)
@@ -475,7 +627,8 @@ pub fn connect(
             wire::write_stage(handle, None);
             REG.connecting.remove(p);
             Ok(Some(
-                REG.send.insert(Arc::new(Sender::new(comm, c.profiler))),
+                REG.send
+                    .insert(Arc::new(Sender::new(comm, d.index, c.profiler))),
             ))
         }
         Ok(false) => Ok(None),
@@ -492,17 +645,18 @@ pub fn accept(listen: *mut c_void) -> Result<Option<*mut c_void>> {
     let l = REG.listen.get(listen).ok_or_else(|| {
         Error::internal(format!("accept: {listen:p} is not a live Weft listen comm"))
     })?;
-    Ok(l.comm
-        .accept()?
-        .map(|comm| REG.recv.insert(Arc::new(Receiver::new(comm, l.profiler)))))
+    Ok(l.comm.accept()?.map(|comm| {
+        REG.recv
+            .insert(Arc::new(Receiver::new(comm, l.dev, l.profiler)))
+    }))
 }
 
-/// The device of a send or receive comm.
-fn comm_device(comm: *mut c_void) -> Option<Arc<DeviceState>> {
+/// The device index and rails of a send or receive comm.
+fn comm_device(comm: *mut c_void) -> Option<(usize, Vec<Arc<DeviceState>>)> {
     REG.send
         .get(comm)
-        .map(|s| Arc::clone(s.comm.dev()))
-        .or_else(|| REG.recv.get(comm).map(|r| Arc::clone(r.comm.dev())))
+        .map(|s| (s.dev, s.comm.rails().to_vec()))
+        .or_else(|| REG.recv.get(comm).map(|r| (r.dev, r.comm.rails().to_vec())))
 }
 
 /// `regMr(comm, data, size, type)`.
@@ -512,7 +666,7 @@ pub fn reg_mr(
     size: usize,
     ptr_type: i32,
 ) -> Result<*mut c_void> {
-    let d = comm_device(comm).ok_or_else(|| {
+    let (index, rails) = comm_device(comm).ok_or_else(|| {
         Error::internal(format!(
             "regMr: {comm:p} is not a live Weft send or receive comm"
         ))
@@ -520,6 +674,7 @@ pub fn reg_mr(
     if data.is_null() {
         return Err(Error::internal("regMr: NULL address"));
     }
+    let d = rails.iter().find(|r| !r.cuda).unwrap_or(&rails[0]);
     let kind = match ptr_type {
         props::PTR_HOST => MemKind::Host,
         props::PTR_CUDA if d.cuda => {
@@ -545,15 +700,39 @@ pub fn reg_mr(
             )))
         }
     };
-    // SAFETY: NCCL registers memory it owns and keeps allocated until deregMr.
-    let region = unsafe { d.mr.register_kind(data as usize, size, kind) }
-        .map_err(|e| Error::system(e.to_string()))?;
-    Ok(REG.mr.insert(Arc::new(MrHandle {
-        dev: d.index,
+    let mut h = MrHandle {
+        dev: index,
         addr: data as usize,
         len: size,
-        region,
-    })))
+        regions: Vec::with_capacity(rails.len()),
+        mems: Vec::with_capacity(rails.len()),
+    };
+    for r in &rails {
+        // SAFETY: NCCL registers memory it owns and keeps allocated until deregMr.
+        match unsafe { r.mr.register_kind(data as usize, size, kind) } {
+            Ok(region) => {
+                let desc = region.desc();
+                h.mems.push(proto::Mem {
+                    desc: desc.desc,
+                    key: desc.key,
+                    base: region.range().start,
+                });
+                h.regions.push((Arc::clone(r), region));
+            }
+            Err(e) => {
+                release(h);
+                return Err(Error::system(e.to_string()));
+            }
+        }
+    }
+    Ok(REG.mr.insert(Arc::new(h)))
+}
+
+/// Gives a handle's registrations back to their devices' caches.
+fn release(h: MrHandle) {
+    for (d, region) in h.regions {
+        d.mr.release(region);
+    }
 }
 
 /// `deregMr(comm, mhandle)`. Registrations belong to the device, so the comm
@@ -562,27 +741,25 @@ pub fn dereg_mr(_comm: *mut c_void, mh: *mut c_void) -> Result<()> {
     let h = REG.mr.remove(mh).ok_or_else(|| {
         Error::internal(format!("deregMr: {mh:p} is not a live Weft memory handle"))
     })?;
-    let dev = h.dev;
     // Normally the registry held the last reference; if a data-path call
-    // still holds one, the registration lives until it lets go.
-    let region = Arc::try_unwrap(h).map_or_else(|h| Arc::clone(&h.region), |h| h.region);
-    if let Some(d) = plugin()?.devices.get(dev) {
-        d.mr.release(region);
+    // still holds one, the registrations live until it lets go.
+    if let Ok(h) = Arc::try_unwrap(h) {
+        release(h);
     }
     Ok(())
 }
 
-/// The descriptor for `data..data+size` under `mh` on device `dev`. Every
-/// data buffer must come with the handle it was registered under, and lie
-/// inside the range NCCL registered with it (not merely inside the pages the
-/// registration covers).
+/// The handle `mh` for `data..data+size` on device `dev` (its registrations
+/// are what the comm takes). Every data buffer must come with the handle it
+/// was registered under, and lie inside the range NCCL registered with it
+/// (not merely inside the pages the registration covers).
 fn desc_for(
     mh: *mut c_void,
     dev: usize,
     data: *const u8,
     size: usize,
     call: &str,
-) -> Result<(*mut c_void, u64, usize)> {
+) -> Result<Arc<MrHandle>> {
     if mh.is_null() {
         return Err(Error::internal(format!(
             "{call}: buffer {data:p} comes without a memory handle (NCCL registers every buffer it passes)"
@@ -606,8 +783,7 @@ fn desc_for(
             h.addr, h.len
         )));
     }
-    let d = h.region.desc();
-    Ok((d.desc, d.key, h.region.range().start))
+    Ok(h)
 }
 
 /// `isend(sendComm, data, size, tag, mhandle, phandle)`: `None` = retry later.
@@ -629,10 +805,10 @@ pub unsafe fn isend(
         .send
         .get_with_serial(comm)
         .ok_or_else(|| Error::internal(format!("isend: {comm:p} is not a live Weft send comm")))?;
-    let (desc, ..) = desc_for(mh, s.comm.dev().index, data.cast(), size, "isend")?;
+    let h = desc_for(mh, s.dev, data.cast(), size, "isend")?;
     // SAFETY: the buffer lies inside a live registration of NCCL's memory
     // (checked just above), which NCCL keeps until the request completes.
-    let Some(id) = unsafe { s.comm.isend(data.cast(), size, tag, desc, phandle) }? else {
+    let Some(id) = unsafe { s.comm.isend(data.cast(), size, tag, &h.mems, phandle) }? else {
         return Ok(None);
     };
     s.events.start(
@@ -673,17 +849,17 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
     let (serial, r) = REG.recv.get_with_serial(comm).ok_or_else(|| {
         Error::internal(format!("irecv: {comm:p} is not a live Weft receive comm"))
     })?;
-    let dev = r.comm.dev().index;
+    let handles = args
+        .iter()
+        .map(|a| desc_for(a.mhandle, r.dev, a.data.cast(), a.size, "irecv"))
+        .collect::<Result<Vec<_>>>()?;
     let mut bufs = [RecvBuf::EMPTY; props::MAX_RECVS];
-    for (b, a) in bufs.iter_mut().zip(args) {
-        let (desc, key, base) = desc_for(a.mhandle, dev, a.data.cast(), a.size, "irecv")?;
+    for ((b, a), h) in bufs.iter_mut().zip(args).zip(&handles) {
         *b = RecvBuf {
             data: a.data.cast(),
             size: a.size,
             tag: a.tag,
-            desc,
-            key,
-            base,
+            mem: &h.mems,
             phandle: a.phandle,
         };
     }
@@ -730,7 +906,7 @@ pub fn iflush(
         let h = REG.mr.get(mh).ok_or_else(|| {
             Error::internal(format!("iflush: {mh:p} is not a live Weft memory handle"))
         })?;
-        if let MemKind::Cuda(gpu) = h.region.kind() {
+        if let MemKind::Cuda(gpu) = h.kind() {
             if !flushed.contains(&gpu) {
                 let drv = crate::gpu::driver().map_err(|e| Error::system(e.to_string()))?;
                 drv.flush(gpu)
@@ -803,7 +979,7 @@ pub struct DeviceStats {
 /// Test hook: whether device `dev` addresses remote registrations by
 /// virtual address (`FI_MR_VIRT_ADDR`) rather than by offset.
 pub fn virt_addr_for_test(dev: i32) -> Result<bool> {
-    Ok(device(&*plugin()?, dev)?.virt_addr())
+    Ok(physical(&*plugin()?, dev)?.virt_addr())
 }
 
 /// The protocol the running plugin chose (`sendrecv`, `rdma`).
@@ -819,7 +995,7 @@ pub fn gpu_freelist(
     gpu: i32,
     p: crate::freelist::Params,
 ) -> Result<crate::freelist::Freelist<crate::gpu::CudaMemory, crate::fabric::KindRegistrar>> {
-    let d = device(&*plugin()?, dev)?;
+    let d = physical(&*plugin()?, dev)?;
     if !d.cuda {
         return Err(Error::usage(format!(
             "device {dev} ({}) does not take GPU memory (its INFO line at init says why)",
@@ -836,7 +1012,7 @@ pub fn gpu_freelist(
 
 /// Counters of device `dev`.
 pub fn device_stats(dev: i32) -> Result<DeviceStats> {
-    let d = device(&*plugin()?, dev)?;
+    let d = physical(&*plugin()?, dev)?;
     let (mr_hits, mr_misses) = d.mr.stats();
     Ok(DeviceStats {
         mr_hits,
@@ -851,7 +1027,12 @@ pub fn device_stats(dev: i32) -> Result<DeviceStats> {
 pub fn with_properties<T>(dev: i32, f: impl FnOnce(&Properties) -> Result<T>) -> Result<T> {
     let p = plugin()?;
     let d = device(&p, dev)?;
-    f(&p.props[d.index])
+    if d.virtual_ {
+        let vdevs = p.vdevs.lock().unwrap_or_else(|e| e.into_inner());
+        f(&vdevs[d.index - p.devices.len()].props)
+    } else {
+        f(&p.props[d.index])
+    }
 }
 
 /// Test hook: holds the state lock of send or receive comm `comm`, as a

@@ -156,9 +156,88 @@ pub fn properties(index: usize, dev: &Device, config: &Config) -> Properties {
     }
 }
 
+/// The properties of a virtual device fused from `members` (the physical
+/// devices `devs`, in NCCL's order), as NCCL expects them: its own name
+/// (the members' joined with `+`, as NCCL's IB transport names fused NICs)
+/// and guid, the sum of the speeds, the members in `vProps`, what every
+/// member supports, and no grouped receives (messages are striped, see
+/// `proto::stripe`).
+pub fn fused(members: &[&Properties], devs: &[i32]) -> Properties {
+    let first = members[0];
+    let names: Vec<String> = members
+        .iter()
+        .map(|m| m.name.to_string_lossy().into_owned())
+        .collect();
+    let mut g: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in members.iter().flat_map(|m| m.guid.to_le_bytes()) {
+        g ^= u64::from(b);
+        g = g.wrapping_mul(0x0100_0000_01b3);
+    }
+    Properties {
+        name: CString::new(names.join("+")).unwrap_or_default(),
+        pci_path: first.pci_path.clone(),
+        guid: g,
+        ptr_support: members.iter().fold(!0, |a, m| a & m.ptr_support),
+        reg_is_global: 1,
+        force_flush: members.iter().map(|m| m.force_flush).max().unwrap_or(0),
+        speed: members.iter().fold(0i32, |a, m| a.saturating_add(m.speed)),
+        port: first.port,
+        latency: members.iter().map(|m| m.latency).fold(0.0, f32::max),
+        max_comms: members.iter().map(|m| m.max_comms).min().unwrap_or(1),
+        max_recvs: 1,
+        net_device_type: first.net_device_type,
+        net_device_version: first.net_device_version,
+        vdevs: devs.to_vec(),
+        max_p2p_bytes: members.iter().map(|m| m.max_p2p_bytes).min().unwrap_or(1),
+        max_coll_bytes: members.iter().map(|m| m.max_coll_bytes).min().unwrap_or(1),
+        max_multi_request_size: 1,
+        rail_id: -1,
+        plane_id: -1,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fused_device_sums_speeds_and_lists_its_members() {
+        let member = |i: i32, name: &str, speed: i32| Properties {
+            name: CString::new(name).unwrap(),
+            pci_path: None,
+            guid: guid("tcp", name),
+            ptr_support: PTR_HOST,
+            reg_is_global: 1,
+            force_flush: 0,
+            speed,
+            port: 1,
+            latency: 0.0,
+            max_comms: 100,
+            max_recvs: MAX_RECVS as i32,
+            net_device_type: 0,
+            net_device_version: 0,
+            vdevs: vec![i],
+            max_p2p_bytes: 1 << 30,
+            max_coll_bytes: 1 << 30,
+            max_multi_request_size: 1,
+            rail_id: -1,
+            plane_id: -1,
+        };
+        let a = member(0, "r0", 25_000);
+        let mut b = member(1, "r1", 100_000);
+        b.ptr_support = PTR_HOST | PTR_CUDA;
+        b.max_comms = 7;
+        let v = fused(&[&a, &b], &[0, 1]);
+        assert_eq!(v.name.to_str().unwrap(), "r0+r1");
+        assert_eq!(v.speed, 125_000);
+        assert_eq!(v.vdevs, [0, 1]);
+        assert_eq!(v.ptr_support, PTR_HOST, "only what every rail takes");
+        assert_eq!(v.max_comms, 7);
+        assert_eq!(v.max_recvs, 1);
+        assert_ne!(v.guid, a.guid);
+        assert_ne!(v.guid, b.guid);
+        assert_ne!(v.guid, fused(&[&b, &a], &[1, 0]).guid);
+    }
 
     #[test]
     fn pci_addresses() {

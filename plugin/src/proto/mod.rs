@@ -27,6 +27,7 @@ pub mod ctrl;
 pub(crate) mod handshake;
 pub mod hub;
 pub mod pool;
+pub mod stripe;
 pub(crate) mod sync;
 pub mod wire;
 
@@ -85,42 +86,70 @@ pub fn heartbeat_period(peer_timeout: Duration) -> Duration {
     (peer_timeout / 8).max(Duration::from_millis(1))
 }
 
-/// One receive buffer of a grouped receive.
-#[derive(Debug, Clone, Copy)]
-pub struct RecvBuf {
-    /// Where the message goes.
-    pub data: *mut u8,
-    /// Its capacity.
-    pub size: usize,
-    /// The sender's tag it accepts.
-    pub tag: i32,
+/// Where a buffer is registered on one device: what the provider needs to
+/// send from it, receive into it, or let a peer write into it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mem {
     /// Registration descriptor (NULL when the provider needs none).
     pub desc: *mut c_void,
     /// The registration's remote key (RDMA).
     pub key: u64,
     /// Where the registration starts (RDMA offsets are from here).
     pub base: usize,
+}
+
+impl Mem {
+    /// No registration.
+    pub const NONE: Mem = Mem {
+        desc: std::ptr::null_mut(),
+        key: 0,
+        base: 0,
+    };
+
+    /// The registration on the first device of `mems` (a comm on one
+    /// device gets exactly one).
+    pub fn first(mems: &[Mem]) -> Mem {
+        mems.first().copied().unwrap_or(Mem::NONE)
+    }
+}
+
+// SAFETY: the descriptor is libfabric's, only handed back to libfabric,
+// never dereferenced by Weft; it is valid from any thread.
+unsafe impl Send for Mem {}
+// SAFETY: as for Send; nothing is written through it.
+unsafe impl Sync for Mem {}
+
+/// One receive buffer of a grouped receive.
+#[derive(Debug, Clone, Copy)]
+pub struct RecvBuf<'a> {
+    /// Where the message goes.
+    pub data: *mut u8,
+    /// Its capacity.
+    pub size: usize,
+    /// The sender's tag it accepts.
+    pub tag: i32,
+    /// Its registration on each device of the comm, in the comm's order
+    /// (one entry, except on a virtual device: one per rail).
+    pub mem: &'a [Mem],
     /// NCCL profiler handle (kept, v10+).
     pub phandle: *mut c_void,
 }
 
-impl RecvBuf {
+impl RecvBuf<'_> {
     /// No buffer (fills the unused entries of a grouped receive).
-    pub const EMPTY: RecvBuf = RecvBuf {
+    pub const EMPTY: RecvBuf<'static> = RecvBuf {
         data: std::ptr::null_mut(),
         size: 0,
         tag: 0,
-        desc: std::ptr::null_mut(),
-        key: 0,
-        base: 0,
+        mem: &[],
         phandle: std::ptr::null_mut(),
     };
 }
 
-// SAFETY: the pointers are addresses of NCCL's buffers, descriptors and
-// profiler handles, only handed to libfabric or back to NCCL, never
-// dereferenced by Weft; they are valid from any thread.
-unsafe impl Send for RecvBuf {}
+// SAFETY: the pointers are addresses of NCCL's buffers and profiler
+// handles, only handed to libfabric or back to NCCL, never dereferenced by
+// Weft; they are valid from any thread.
+unsafe impl Send for RecvBuf<'_> {}
 
 /// The result of a finished request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,8 +187,13 @@ pub trait Protocol: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
     /// Its byte in listen handles ([`wire::PROTO_SENDRECV`], ...).
     fn wire_id(&self) -> u8;
-    /// Opens a listener on `dev`, with the handle NCCL sends to the peer.
-    fn listen(&self, dev: Arc<DeviceState>) -> Result<(Arc<dyn Listener>, ListenHandle)>;
+    /// Opens a listener on `dev` whose handle (what NCCL sends to the
+    /// peer) carries `nonce`.
+    fn listen(
+        &self,
+        dev: Arc<DeviceState>,
+        nonce: u64,
+    ) -> Result<(Arc<dyn Listener>, ListenHandle)>;
     /// Starts connecting to the listener named by `handle`.
     fn connect(
         &self,
@@ -177,8 +211,9 @@ pub trait Listener: Send + Sync + std::fmt::Debug {
 
 /// What send and receive comms have in common.
 pub trait Comm: Send + Sync + std::fmt::Debug {
-    /// The device.
-    fn dev(&self) -> &Arc<DeviceState>;
+    /// The devices it runs on: one, or the rails of a virtual device. A
+    /// buffer NCCL passes comes with its registration on each, in this order.
+    fn rails(&self) -> &[Arc<DeviceState>];
     /// Tests request `id`: `Some` once done (it is then freed). Never blocks.
     fn test(&self, id: ReqId) -> Result<Option<Done>>;
     /// One heartbeat tick (the keeper thread). Never waits for a busy comm.
@@ -205,13 +240,14 @@ pub trait Sender: Comm {
     ///
     /// # Safety
     /// `data..data+size` must be readable and stay valid until the request is
-    /// reported done; `desc` must be its registration's descriptor (or NULL).
+    /// reported done; `mem` must be its registration on each device of the
+    /// comm ([`Comm::rails`]), in order.
     unsafe fn isend(
         &self,
         data: *const u8,
         size: usize,
         tag: i32,
-        desc: *mut c_void,
+        mem: &[Mem],
         phandle: *mut c_void,
     ) -> Result<Option<ReqId>>;
 }

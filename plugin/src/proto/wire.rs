@@ -16,6 +16,13 @@
 //! | 108..112 | the listener's comm id on its endpoint (0: the endpoint is its own) |
 //! | 112..128 | connect stage: written by `connect` while it is in progress |
 //!
+//! A virtual device's listener (one listener per rail) writes a *rails
+//! handle* instead: byte 6 is the number of rails (1 ..= [`MAX_RAILS`]),
+//! byte 7 has [`PROTO_RAILS`] set, bytes 8..16 are rail 0's nonce (rail `i`'s
+//! is that plus `i`), the check value covers bytes 0..16 and the rails, and
+//! bytes 20..112 hold, per rail, its address length, address and listener
+//! id (4 bytes). Two or three tcp rails fit, four of 16-byte addresses.
+//!
 //! Control messages carry [`CTRL_MAGIC`], a kind and a body; every field is
 //! checked on receipt, so a truncated or forged message is refused with a
 //! message and changes nothing.
@@ -34,6 +41,10 @@ pub const ID_OFFSET: usize = 108;
 pub const PROTO_SENDRECV: u8 = 0;
 /// Handle protocol byte: RDMA.
 pub const PROTO_RDMA: u8 = 1;
+/// Handle protocol byte flag: a rails handle (a virtual device's listener).
+pub const PROTO_RAILS: u8 = 0x80;
+/// Most rails a rails handle lists (`NCCL_NET_MAX_DEVS_PER_NIC` of v12).
+pub const MAX_RAILS: usize = 8;
 /// Where `connect` keeps its in-progress state inside the handle.
 pub const STAGE_OFFSET: usize = 112;
 /// Marks a connect stage in progress.
@@ -93,7 +104,17 @@ pub enum HandleError {
     /// The address does not fit a handle.
     #[error("endpoint address of {0} bytes does not fit a handle (at most {MAX_ADDR})")]
     TooLong(usize),
+    /// The rails' addresses do not fit one handle together.
+    #[error("the rails' endpoint addresses take {0} bytes together, more than a handle holds ({RAILS_ROOM}); make the virtual device of fewer rails")]
+    RailsTooLong(usize),
+    /// A rails handle that lists an impossible number of rails, or whose
+    /// rails do not parse.
+    #[error("the connection handle is corrupted: {0}")]
+    Rails(String),
 }
+
+/// Room for the rails in a rails handle.
+const RAILS_ROOM: usize = STAGE_OFFSET - 20;
 
 impl ListenHandle {
     /// Writes the handle into NCCL's buffer (the stage area is cleared).
@@ -125,6 +146,11 @@ impl ListenHandle {
         if version != HANDLE_VERSION {
             return Err(HandleError::Version(version));
         }
+        if h[7] & PROTO_RAILS != 0 {
+            return Err(HandleError::Rails(
+                "a virtual device's handle where one device's was expected".into(),
+            ));
+        }
         let len = usize::from(h[6]);
         if len == 0 || len > MAX_ADDR {
             return Err(HandleError::AddrLen(len));
@@ -143,6 +169,99 @@ impl ListenHandle {
             proto: h[7],
         })
     }
+}
+
+/// Writes the rails handle of a virtual device's listener (one listener
+/// per rail, rail `i`'s nonce rail 0's plus `i`, one protocol).
+pub fn encode_rails(
+    rails: &[ListenHandle],
+    out: &mut [u8; HANDLE_SIZE],
+) -> Result<(), HandleError> {
+    let Some(first) = rails.first() else {
+        return Err(HandleError::Rails("no rails".into()));
+    };
+    if rails.len() > MAX_RAILS {
+        return Err(HandleError::Rails(format!(
+            "{} rails (at most {MAX_RAILS})",
+            rails.len()
+        )));
+    }
+    let mut area = Vec::with_capacity(RAILS_ROOM);
+    for (i, r) in rails.iter().enumerate() {
+        if r.addr.is_empty() || r.addr.len() > MAX_ADDR {
+            return Err(HandleError::TooLong(r.addr.len()));
+        }
+        if r.nonce != first.nonce.wrapping_add(i as u64) || r.proto != first.proto {
+            return Err(HandleError::Rails(format!(
+                "rail {i}'s listener does not belong with rail 0's"
+            )));
+        }
+        area.push(r.addr.len() as u8);
+        area.extend_from_slice(&r.addr);
+        area.extend_from_slice(&r.id.to_le_bytes());
+    }
+    if area.len() > RAILS_ROOM {
+        return Err(HandleError::RailsTooLong(area.len()));
+    }
+    out.fill(0);
+    out[0..4].copy_from_slice(&HANDLE_MAGIC);
+    out[4..6].copy_from_slice(&HANDLE_VERSION.to_le_bytes());
+    out[6] = rails.len() as u8;
+    out[7] = first.proto | PROTO_RAILS;
+    out[8..16].copy_from_slice(&first.nonce.to_le_bytes());
+    let check = fnv1a(&[&out[0..16], &area]);
+    out[16..20].copy_from_slice(&check.to_le_bytes());
+    out[20..20 + area.len()].copy_from_slice(&area);
+    Ok(())
+}
+
+/// Reads a handle, validated: a plain one (one listener, `false`) or a
+/// rails handle (a virtual device's listeners, `true`).
+pub fn decode_any(h: &[u8; HANDLE_SIZE]) -> Result<(Vec<ListenHandle>, bool), HandleError> {
+    if h[0..4] != HANDLE_MAGIC || h[7] & PROTO_RAILS == 0 {
+        return ListenHandle::decode(h).map(|one| (vec![one], false));
+    }
+    let version = u16::from_le_bytes([h[4], h[5]]);
+    if version != HANDLE_VERSION {
+        return Err(HandleError::Version(version));
+    }
+    let n = usize::from(h[6]);
+    if !(1..=MAX_RAILS).contains(&n) {
+        return Err(HandleError::Rails(format!("{n} rails (1 ..= {MAX_RAILS})")));
+    }
+    let nonce = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
+    let area = &h[20..STAGE_OFFSET];
+    let mut rails = Vec::with_capacity(n);
+    let mut at = 0;
+    for i in 0..n {
+        let Some(&len) = area.get(at) else {
+            return Err(HandleError::Rails(format!("rail {i} does not fit")));
+        };
+        let len = usize::from(len);
+        if len == 0 || len > MAX_ADDR || at + 1 + len + 4 > area.len() {
+            return Err(HandleError::Rails(format!(
+                "rail {i}'s address length {len} does not fit"
+            )));
+        }
+        let addr = area[at + 1..at + 1 + len].to_vec();
+        let id = u32::from_le_bytes(area[at + 1 + len..at + 5 + len].try_into().expect("4"));
+        at += 5 + len;
+        rails.push(ListenHandle {
+            nonce: nonce.wrapping_add(i as u64),
+            addr,
+            id,
+            proto: h[7] & !PROTO_RAILS,
+        });
+    }
+    let found = u32::from_le_bytes(h[16..20].try_into().expect("4 bytes"));
+    let expected = fnv1a(&[&h[0..16], &area[..at]]);
+    if found != expected {
+        return Err(HandleError::Check { found, expected });
+    }
+    if area[at..].iter().any(|&b| b != 0) {
+        return Err(HandleError::Rails("stray bytes after the rails".into()));
+    }
+    Ok((rails, true))
 }
 
 /// Bytes as lower-case hex: how handles travel in text (handle files,
@@ -645,6 +764,77 @@ mod tests {
             let n = msg.encode(&mut b);
             assert_eq!(Ctrl::decode(&b[..n]), Err(CtrlError::AddrLen(0)));
         }
+    }
+
+    fn rails(n: usize, addr_len: usize) -> Vec<ListenHandle> {
+        (0..n)
+            .map(|i| ListenHandle {
+                nonce: (u64::MAX - 1).wrapping_add(i as u64),
+                addr: vec![i as u8 + 1; addr_len],
+                id: 100 + i as u32,
+                proto: PROTO_RDMA,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rails_handles_round_trip_and_say_they_are_rails() {
+        let mut h = [0u8; HANDLE_SIZE];
+        for n in 1..=4 {
+            let r = rails(n, 16);
+            encode_rails(&r, &mut h).unwrap();
+            assert_eq!(decode_any(&h).unwrap(), (r, true), "{n} rails");
+            // The stage area stays free for connect.
+            assert_eq!(read_stage(&h), Ok(None));
+            assert!(matches!(
+                ListenHandle::decode(&h),
+                Err(HandleError::Rails(_))
+            ));
+        }
+        rails(1, 16)[0].encode(&mut h).unwrap();
+        assert_eq!(decode_any(&h).unwrap(), (rails(1, 16), false));
+    }
+
+    #[test]
+    fn rails_that_do_not_fit_or_belong_are_refused() {
+        let mut h = [0u8; HANDLE_SIZE];
+        assert_eq!(
+            encode_rails(&rails(5, 16), &mut h),
+            Err(HandleError::RailsTooLong(105))
+        );
+        assert!(encode_rails(&[], &mut h).is_err());
+        let mut r = rails(2, 16);
+        r[1].nonce = 7;
+        assert!(matches!(
+            encode_rails(&r, &mut h),
+            Err(HandleError::Rails(_))
+        ));
+        let mut r = rails(2, 16);
+        r[1].proto = PROTO_SENDRECV;
+        assert!(matches!(
+            encode_rails(&r, &mut h),
+            Err(HandleError::Rails(_))
+        ));
+    }
+
+    #[test]
+    fn corrupted_rails_handles_are_refused() {
+        let mut good = [0u8; HANDLE_SIZE];
+        encode_rails(&rails(3, 16), &mut good).unwrap();
+        for at in 0..STAGE_OFFSET {
+            let mut h = good;
+            h[at] ^= 0x5a;
+            assert!(
+                decode_any(&h).is_err(),
+                "a flipped byte {at} went unnoticed"
+            );
+        }
+        let mut h = good;
+        h[6] = 9;
+        assert!(matches!(decode_any(&h), Err(HandleError::Rails(_))));
+        let mut h = good;
+        h[20] = 90; // rail 0's address would run past the area
+        assert!(matches!(decode_any(&h), Err(HandleError::Rails(_))));
     }
 
     #[test]

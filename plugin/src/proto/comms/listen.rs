@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::super::handshake::{self, nonce, Handshakes, Pending, Step};
+use super::super::handshake::{self, Handshakes, Pending, Step};
 use super::super::wire::{Ctrl, ListenHandle};
 use super::super::{Comm, Listener, Receiver};
 use super::*;
@@ -29,11 +29,16 @@ impl std::fmt::Debug for ListenComm {
 
 impl ListenComm {
     /// A listener on `dev` for comms of `path` (protocol `proto` on the
-    /// wire), and its handle.
-    pub fn open(dev: Arc<DeviceState>, path: Path, proto: u8) -> Result<(Self, ListenHandle)> {
+    /// wire), and its handle, which carries `nonce`.
+    pub fn open(
+        dev: Arc<DeviceState>,
+        path: Path,
+        proto: u8,
+        nonce: u64,
+    ) -> Result<(Self, ListenHandle)> {
         let seat = Seat::new(&dev, Port::Passive)?;
         let handle = ListenHandle {
-            nonce: nonce(),
+            nonce,
             addr: seat.hub.name(Port::Passive).to_vec(),
             id: seat.id,
             proto,

@@ -143,8 +143,12 @@ impl Protocol for OnHub {
             Path::Tagged => PROTO_SENDRECV,
         }
     }
-    fn listen(&self, dev: Arc<DeviceState>) -> Result<(Arc<dyn Listener>, ListenHandle)> {
-        let (l, h) = ListenComm::open(dev, self.0, self.wire_id())?;
+    fn listen(
+        &self,
+        dev: Arc<DeviceState>,
+        nonce: u64,
+    ) -> Result<(Arc<dyn Listener>, ListenHandle)> {
+        let (l, h) = ListenComm::open(dev, self.0, self.wire_id(), nonce)?;
         Ok((Arc::new(l), h))
     }
     fn connect(

@@ -14,7 +14,7 @@ use crate::fabric::CompletionError;
 use super::super::hub::{context, data_tag};
 use super::super::pool::Pool;
 use super::super::wire::RtrBuf;
-use super::super::{Comm, Done, Receiver, RecvBuf, ReqId, MAX_RECVS, MAX_REQUESTS};
+use super::super::{Comm, Done, Mem, Receiver, RecvBuf, ReqId, MAX_RECVS, MAX_REQUESTS};
 use super::*;
 
 /// A receiving comm.
@@ -173,7 +173,7 @@ impl Receiver for RecvComm {
             req.caps[i] = b.size as u64;
             req.tags[i] = b.tag;
             req.data[i] = b.data as usize;
-            req.descs[i] = b.desc as usize;
+            req.descs[i] = Mem::first(b.mem).desc as usize;
         }
         if st.reqs.in_use() >= MAX_REQUESTS {
             st.progress(&self.seat)?;
@@ -206,8 +206,8 @@ impl Receiver for RecvComm {
 }
 
 impl Comm for RecvComm {
-    fn dev(&self) -> &Arc<DeviceState> {
-        &self.dev
+    fn rails(&self) -> &[Arc<DeviceState>] {
+        std::slice::from_ref(&self.dev)
     }
     fn test(&self, id: ReqId) -> Result<Option<Done>> {
         let Some(mut st) = try_lock(&self.inner) else {
@@ -375,16 +375,19 @@ impl RecvState {
             bufs: bufs
                 .iter()
                 .zip(idxs)
-                .map(|(b, idx)| RtrBuf {
-                    tag: b.tag,
-                    idx,
-                    size: b.size as u64,
-                    addr: if offsets {
-                        (b.data as usize - b.base) as u64
-                    } else {
-                        b.data as u64
-                    },
-                    key: b.key,
+                .map(|(b, idx)| {
+                    let mem = Mem::first(b.mem);
+                    RtrBuf {
+                        tag: b.tag,
+                        idx,
+                        size: b.size as u64,
+                        addr: if offsets {
+                            (b.data as usize - mem.base) as u64
+                        } else {
+                            b.data as u64
+                        },
+                        key: mem.key,
+                    }
                 })
                 .collect(),
         };

@@ -13,7 +13,7 @@ use super::super::handshake::{self, nonce, Connecting, Phase};
 use super::super::hub::{context, data_tag, immediate, NO_SIZE};
 use super::super::pool::Pool;
 use super::super::wire::RtrBuf;
-use super::super::{Comm, Done, ReqId, MAX_RECVS, MAX_REQUESTS};
+use super::super::{Comm, Done, Mem, ReqId, MAX_RECVS, MAX_REQUESTS};
 use super::*;
 
 /// A sending comm (also the state of a `connect` in progress).
@@ -159,9 +159,10 @@ impl Sender for SendComm {
         data: *const u8,
         size: usize,
         tag: i32,
-        desc: *mut c_void,
+        mem: &[Mem],
         _phandle: *mut c_void,
     ) -> Result<Option<ReqId>> {
+        let desc = Mem::first(mem).desc;
         let Some(mut st) = try_lock(&self.inner) else {
             return Ok(None);
         };
@@ -408,8 +409,8 @@ impl SendComm {
 }
 
 impl Comm for SendComm {
-    fn dev(&self) -> &Arc<DeviceState> {
-        &self.dev
+    fn rails(&self) -> &[Arc<DeviceState>] {
+        std::slice::from_ref(&self.dev)
     }
     fn test(&self, id: ReqId) -> Result<Option<Done>> {
         let Some(mut st) = try_lock(&self.inner) else {

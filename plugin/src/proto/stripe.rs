@@ -1,0 +1,980 @@
+//! Virtual devices: one comm over several rails (NCCL's NIC fusion,
+//! `makeVDevice`), for either protocol.
+//!
+//! A comm on a virtual device is one member comm per rail, each an ordinary
+//! comm of the protocol on that rail's device, connected rail to rail (rail
+//! `i` of the sender to rail `i` of the listener; the listen handle lists
+//! every rail's listener, see [`super::wire::encode_rails`]). Liveness,
+//! credits and truncation are the members' own.
+//!
+//! **Messages.** The sender alone knows a message's size and the receiver
+//! alone its buffer's, so every message starts with a [`HEADER_LEN`]-byte
+//! header on rail 0, under the message's own tag: `{magic, number, size,
+//! first rail}`. Both sides cut the message alike from it ([`layout`]): one
+//! part on the `first` rail when it is smaller than `WEFT_STRIPE_SIZE`
+//! (the sender turns `first` round-robin, so small messages spread over the
+//! rails), else one part per rail, in 4 KiB-aligned slices of equal size.
+//! The sender posts the header and every part at once; the receiver posts a
+//! message's parts when its header arrived, and the next header of the same
+//! tag after them, so each rail sees each tag's parts in the same order on
+//! both sides (the members match per tag, in order). A receive is done when
+//! all its parts are; `test` reports the bytes the parts brought, which
+//! must add up to the header's size.
+//!
+//! What this costs: the header, and, on the receiving side, the wait for it
+//! before a message's parts are offered (RDMA) or matched (tagged): about
+//! one extra one-way latency per message.
+//!
+//! **Errors.** A header that is short, not Weft's, out of order or names a
+//! rail that does not exist breaks the comm with a message saying so. A
+//! message larger than the receive buffer is cut to the buffer's size per
+//! part, so the members report the truncation on both sides and nothing is
+//! written past the buffer; the receive fails saying both sizes. When one
+//! rail fails (its peer went silent, its link went down) the comm fails as a
+//! whole: that request and every later one (the parts on the other rails
+//! keep NCCL's buffers until the comm is closed, as any comm closed with
+//! receives in flight). A comm does not carry on over the remaining rails.
+//!
+//! Grouped receives are not striped: a virtual device reports `maxRecvs = 1`.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use super::pool::Pool;
+use super::sync::{lock, try_lock};
+use super::wire::MAX_RAILS;
+use super::{
+    Comm, DeviceState, Done, Listener, Mem, Receiver, RecvBuf, ReqId, Sender, MAX_RECVS,
+    MAX_REQUESTS,
+};
+use crate::error::{Error, Result};
+use crate::fabric::Mr;
+use crate::mr::Region;
+
+/// Bytes of a message header.
+pub const HEADER_LEN: usize = 24;
+const HEADER_MAGIC: u32 = 0x5746_5348; // "WFSH"
+/// Stripes are multiples of this (whole pages on either side).
+pub const STRIPE_ALIGN: usize = 4096;
+
+/// One part of a message: `len` bytes at `off`, over rail `rail`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Part {
+    /// The rail.
+    pub rail: usize,
+    /// Offset in the message.
+    pub off: usize,
+    /// Length.
+    pub len: usize,
+}
+
+/// How a message of `size` bytes goes over `rails` rails: one part on rail
+/// `first` below `stripe` bytes (or on one rail), else one part per rail in
+/// [`STRIPE_ALIGN`]-aligned slices of equal size (the last may be shorter;
+/// a rail whose slice would start past the end gets none), starting with
+/// rail `first`. Parts are in message order and cover it exactly.
+pub fn layout(size: usize, rails: usize, first: usize, stripe: usize) -> Vec<Part> {
+    let rails = rails.max(1);
+    let first = first % rails;
+    if rails == 1 || size < stripe.max(1) {
+        return vec![Part {
+            rail: first,
+            off: 0,
+            len: size,
+        }];
+    }
+    let slice = size.div_ceil(rails).next_multiple_of(STRIPE_ALIGN);
+    (0..rails)
+        .map(|i| i * slice)
+        .take_while(|&off| off < size)
+        .enumerate()
+        .map(|(i, off)| Part {
+            rail: (first + i) % rails,
+            off,
+            len: slice.min(size - off),
+        })
+        .collect()
+}
+
+/// A message header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// The message's number among its tag's.
+    pub number: u32,
+    /// Its size.
+    pub size: u64,
+    /// The rail its first part goes over.
+    pub first: u8,
+}
+
+impl Header {
+    /// The header's bytes.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&HEADER_MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&self.number.to_le_bytes());
+        b[8..16].copy_from_slice(&self.size.to_le_bytes());
+        b[16] = self.first;
+        b
+    }
+
+    /// Reads and checks the header of message `number` on a comm of `rails`
+    /// rails; `Err` says what is wrong with it.
+    pub fn decode(b: &[u8], number: u32, rails: usize) -> std::result::Result<Self, String> {
+        if b.len() != HEADER_LEN {
+            return Err(format!(
+                "a message header of {} bytes (expected {HEADER_LEN})",
+                b.len()
+            ));
+        }
+        let magic = u32::from_le_bytes(b[0..4].try_into().expect("4 bytes"));
+        if magic != HEADER_MAGIC {
+            return Err(format!(
+                "a message header that is not Weft's (magic {magic:#010x})"
+            ));
+        }
+        let h = Header {
+            number: u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")),
+            size: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
+            first: b[16],
+        };
+        if h.number != number {
+            return Err(format!(
+                "the header of message {} of its tag where message {number} was due",
+                h.number
+            ));
+        }
+        if usize::from(h.first) >= rails || b[17..].iter().any(|&x| x != 0) {
+            return Err(format!(
+                "a message header naming rail {} of {rails}, or with stray bytes",
+                h.first
+            ));
+        }
+        Ok(h)
+    }
+}
+
+/// A comm's headers: one slot per request, in host memory registered on
+/// rail 0's device (only Weft reads and writes them).
+struct Headers {
+    buf: Box<[u8]>,
+    dev: Arc<DeviceState>,
+    region: Option<Arc<Region<Mr>>>,
+    mem: Mem,
+}
+
+impl Headers {
+    fn new(dev: &Arc<DeviceState>) -> Result<Self> {
+        let buf = vec![0u8; MAX_REQUESTS * HEADER_LEN].into_boxed_slice();
+        // SAFETY: `buf` is this struct's; the registration is released in
+        // Drop, before the buffer is freed.
+        let region = unsafe { dev.mr.register(buf.as_ptr() as usize, buf.len()) }
+            .map_err(|e| Error::system(format!("registering a virtual device's headers: {e}")))?;
+        let d = region.desc();
+        let mem = Mem {
+            desc: d.desc,
+            key: d.key,
+            base: region.range().start,
+        };
+        Ok(Self {
+            buf,
+            dev: Arc::clone(dev),
+            region: Some(region),
+            mem,
+        })
+    }
+
+    fn slot(&mut self, slot: u32) -> *mut u8 {
+        let at = slot as usize * HEADER_LEN;
+        self.buf[at..at + HEADER_LEN].as_mut_ptr()
+    }
+
+    fn read(&self, slot: u32) -> &[u8] {
+        let at = slot as usize * HEADER_LEN;
+        &self.buf[at..at + HEADER_LEN]
+    }
+}
+
+impl Drop for Headers {
+    fn drop(&mut self) {
+        if let Some(r) = self.region.take() {
+            self.dev.mr.release(r);
+        }
+    }
+}
+
+/// What a rail still has to post, in order: a header (always on rail 0) or
+/// a part of request `slot`.
+#[derive(Debug, Clone, Copy)]
+struct Post {
+    slot: u32,
+    part: Option<Part>,
+}
+
+/// The member requests of one request.
+#[derive(Debug, Clone, Copy)]
+struct Members {
+    n: u8,
+    ids: [(u8, ReqId); MAX_RAILS + 1],
+    /// Which of them finished, and the bytes each moved.
+    done: u16,
+    bytes: usize,
+    /// Posts not yet taken by their rail.
+    unposted: u8,
+}
+
+impl Members {
+    const NONE: Members = Members {
+        n: 0,
+        ids: [(0, ReqId { slot: 0, gen: 0 }); MAX_RAILS + 1],
+        done: 0,
+        bytes: 0,
+        unposted: 0,
+    };
+
+    fn push(&mut self, rail: usize, id: ReqId) {
+        self.ids[usize::from(self.n)] = (rail as u8, id);
+        self.n += 1;
+        self.unposted -= 1;
+    }
+
+    /// Tests the members not yet finished; `Ok(true)` once every post was
+    /// taken and every member finished.
+    fn test<C: Comm + ?Sized>(&mut self, rails: &[Arc<C>]) -> Result<bool> {
+        for i in 0..usize::from(self.n) {
+            if self.done & (1 << i) != 0 {
+                continue;
+            }
+            let (rail, id) = self.ids[i];
+            if let Some(d) = rails[usize::from(rail)].test(id)? {
+                self.done |= 1 << i;
+                self.bytes += d.sizes[..d.n].iter().sum::<usize>();
+            }
+        }
+        Ok(self.unposted == 0 && self.done.count_ones() == u32::from(self.n))
+    }
+}
+
+fn done(size: usize) -> Done {
+    let mut sizes = [0; MAX_RECVS];
+    sizes[0] = size;
+    Done { n: 1, sizes }
+}
+
+/// The first failure breaks the comm: it is kept and every request after
+/// it gets it.
+fn broken(failed: &mut Option<Error>, e: Error) -> Error {
+    if failed.is_none() {
+        tracing::warn!("virtual device comm failed: {e}");
+    }
+    failed.get_or_insert(e).clone()
+}
+
+fn peer_names<C: Comm + ?Sized>(rails: &[Arc<C>]) -> String {
+    rails
+        .iter()
+        .map(|r| r.peer_name())
+        .collect::<Vec<_>>()
+        .join(" + ")
+}
+
+/// Forwards what [`Comm`] asks of a striped comm to its rails.
+macro_rules! comm_over_rails {
+    ($t:ty) => {
+        impl Comm for $t {
+            fn rails(&self) -> &[Arc<DeviceState>] {
+                &self.devs
+            }
+            fn test(&self, id: ReqId) -> Result<Option<Done>> {
+                self.test_req(id)
+            }
+            /// Also moves the comm on where NCCL has not tested it for a
+            /// while (a receive's parts are posted when its header is read).
+            fn keepalive(&self, now: Instant) {
+                for r in &self.rails {
+                    r.keepalive(now);
+                }
+                if let Some(mut st) = try_lock(&self.st) {
+                    if st.failed.is_none() {
+                        if let Err(e) = self.progress(&mut st) {
+                            broken(&mut st.failed, e);
+                        }
+                    }
+                }
+            }
+            fn peer_name(&self) -> String {
+                peer_names(&self.rails)
+            }
+            fn hold(&self, held: &Tx<()>, release: &Rx<()>) {
+                self.rails[0].hold(held, release);
+            }
+            fn endpoint_open(&self) -> bool {
+                self.rails.iter().any(|r| r.endpoint_open())
+            }
+        }
+    };
+}
+
+// ---------------------------------------------------------------- sending
+
+/// A send.
+#[derive(Debug, Clone, Copy)]
+struct SReq {
+    data: usize,
+    size: usize,
+    tag: i32,
+    mems: [Mem; MAX_RAILS],
+    members: Members,
+}
+
+struct SendState {
+    reqs: Pool<SReq>,
+    headers: Headers,
+    queues: Vec<VecDeque<Post>>,
+    /// Messages sent so far per tag.
+    sent: HashMap<i32, u32>,
+    /// The rail the next message starts on.
+    first: usize,
+    failed: Option<Error>,
+}
+
+/// A sending comm on a virtual device (also while it connects).
+pub struct StripedSend {
+    rails: Vec<Arc<dyn Sender>>,
+    devs: Vec<Arc<DeviceState>>,
+    stripe: usize,
+    st: Mutex<SendState>,
+}
+
+impl std::fmt::Debug for StripedSend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StripedSend({} rails)", self.rails.len())
+    }
+}
+
+impl StripedSend {
+    /// A sender over `rails` (one member per rail, connecting), striping
+    /// messages of `stripe` bytes and more.
+    pub fn new(rails: Vec<Arc<dyn Sender>>, stripe: usize) -> Result<Self> {
+        let devs = rail_devices(&rails)?;
+        let st = SendState {
+            reqs: Pool::new(MAX_REQUESTS).map_err(|e| Error::system(e.to_string()))?,
+            headers: Headers::new(&devs[0])?,
+            queues: vec![VecDeque::new(); rails.len()],
+            sent: HashMap::new(),
+            first: 0,
+            failed: None,
+        };
+        Ok(Self {
+            rails,
+            devs,
+            stripe,
+            st: Mutex::new(st),
+        })
+    }
+
+    /// Hands each rail what it can take now, in order.
+    fn progress(&self, st: &mut SendState) -> Result<()> {
+        for (r, rail) in self.rails.iter().enumerate() {
+            while let Some(&post) = st.queues[r].front() {
+                let Some(&req) = st.reqs.get(post.slot) else {
+                    st.queues[r].pop_front();
+                    continue;
+                };
+                let (ptr, len, mem) = match post.part {
+                    None => (
+                        st.headers.slot(post.slot).cast_const(),
+                        HEADER_LEN,
+                        st.headers.mem,
+                    ),
+                    Some(p) => ((req.data + p.off) as *const u8, p.len, req.mems[r]),
+                };
+                // SAFETY: a header slot lives as long as the comm; a part
+                // lies in NCCL's buffer, which NCCL keeps until the request
+                // is done (the core checked it against its registration).
+                let id = unsafe { rail.isend(ptr, len, req.tag, &[mem], std::ptr::null_mut()) }
+                    .map_err(|e| e.context(format!("rail {r}")))?;
+                let Some(id) = id else { break };
+                st.queues[r].pop_front();
+                if let Some(q) = st.reqs.get_mut(post.slot) {
+                    q.members.push(r, id);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn test_req(&self, id: ReqId) -> Result<Option<Done>> {
+        let mut st = lock(&self.st);
+        if let Some(e) = st.failed.clone() {
+            st.reqs.release(id.slot);
+            return Err(e);
+        }
+        if !st.reqs.is_current(id.slot, id.gen) {
+            return Err(Error::internal(format!(
+                "test: request {} of a virtual device's send comm is not live",
+                id.slot
+            )));
+        }
+        let r = self.progress(&mut st).and_then(|()| {
+            let mut m = st.reqs.get(id.slot).expect("live").members;
+            let finished = m.test(&self.rails)?;
+            st.reqs.get_mut(id.slot).expect("live").members = m;
+            Ok(finished)
+        });
+        match r {
+            Ok(false) => Ok(None),
+            Ok(true) => {
+                let size = st.reqs.get(id.slot).expect("live").size;
+                st.reqs.release(id.slot);
+                Ok(Some(done(size)))
+            }
+            Err(e) => {
+                st.reqs.release(id.slot);
+                Err(broken(&mut st.failed, e))
+            }
+        }
+    }
+}
+
+impl Sender for StripedSend {
+    fn listener_nonce(&self) -> u64 {
+        self.rails[0].listener_nonce()
+    }
+
+    fn step_connect(&self) -> Result<bool> {
+        let mut all = true;
+        for (r, rail) in self.rails.iter().enumerate() {
+            all &= rail
+                .step_connect()
+                .map_err(|e| e.context(format!("virtual device, rail {r}")))?;
+        }
+        Ok(all)
+    }
+
+    unsafe fn isend(
+        &self,
+        data: *const u8,
+        size: usize,
+        tag: i32,
+        mem: &[Mem],
+        _phandle: *mut c_void,
+    ) -> Result<Option<ReqId>> {
+        let n = self.rails.len();
+        if mem.len() != n {
+            return Err(Error::internal(format!(
+                "isend: {} registrations for a comm of {n} rails",
+                mem.len()
+            )));
+        }
+        let mut st = lock(&self.st);
+        if let Some(e) = &st.failed {
+            return Err(e.clone());
+        }
+        if st.reqs.in_use() >= MAX_REQUESTS {
+            self.progress(&mut st)
+                .map_err(|e| broken(&mut st.failed, e))?;
+            return Ok(None);
+        }
+        let number = *st.sent.get(&tag).unwrap_or(&0);
+        let first = st.first;
+        let parts = layout(size, n, first, self.stripe);
+        let mut mems = [Mem::NONE; MAX_RAILS];
+        mems[..n].copy_from_slice(mem);
+        let req = SReq {
+            data: data as usize,
+            size,
+            tag,
+            mems,
+            members: Members {
+                unposted: 1 + parts.len() as u8,
+                ..Members::NONE
+            },
+        };
+        let Some((_, slot)) = st.reqs.insert(req) else {
+            return Ok(None);
+        };
+        st.sent.insert(tag, number.wrapping_add(1));
+        st.first = (first + 1) % n;
+        let header = Header {
+            number,
+            size: size as u64,
+            first: first as u8,
+        }
+        .encode();
+        // SAFETY: the slot is HEADER_LEN bytes of this comm's headers.
+        unsafe {
+            std::ptr::copy_nonoverlapping(header.as_ptr(), st.headers.slot(slot), HEADER_LEN)
+        };
+        st.queues[0].push_back(Post { slot, part: None });
+        for p in parts {
+            st.queues[p.rail].push_back(Post {
+                slot,
+                part: Some(p),
+            });
+        }
+        self.progress(&mut st)
+            .map_err(|e| broken(&mut st.failed, e))?;
+        Ok(Some(ReqId {
+            slot,
+            gen: st.reqs.gen(slot),
+        }))
+    }
+}
+
+comm_over_rails!(StripedSend);
+
+fn rail_devices<C: Comm + ?Sized>(rails: &[Arc<C>]) -> Result<Vec<Arc<DeviceState>>> {
+    if rails.is_empty() || rails.len() > MAX_RAILS {
+        return Err(Error::internal(format!(
+            "a virtual device of {} rails (1 ..= {MAX_RAILS})",
+            rails.len()
+        )));
+    }
+    Ok(rails.iter().map(|r| Arc::clone(&r.rails()[0])).collect())
+}
+
+// -------------------------------------------------------------- receiving
+
+/// Where a receive stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Behind an earlier receive of its tag: its header is not posted yet.
+    Queued,
+    /// Its header is posted (or waits for rail 0 to take it).
+    Header,
+    /// Its parts are posted (or wait for their rails).
+    Parts,
+}
+
+/// A receive.
+#[derive(Debug, Clone, Copy)]
+struct RReq {
+    data: usize,
+    cap: usize,
+    tag: i32,
+    number: u32,
+    mems: [Mem; MAX_RAILS],
+    stage: Stage,
+    header: Option<ReqId>,
+    /// The size the header announced.
+    size: usize,
+    members: Members,
+}
+
+struct RecvState {
+    reqs: Pool<RReq>,
+    headers: Headers,
+    queues: Vec<VecDeque<Post>>,
+    /// Per tag, the receives in NCCL's order; the first one's header is
+    /// posted, the others wait their turn.
+    waiting: HashMap<i32, VecDeque<u32>>,
+    /// Receives posted so far per tag.
+    posted: HashMap<i32, u32>,
+    failed: Option<Error>,
+}
+
+/// A receiving comm on a virtual device.
+pub struct StripedRecv {
+    rails: Vec<Arc<dyn Receiver>>,
+    devs: Vec<Arc<DeviceState>>,
+    stripe: usize,
+    st: Mutex<RecvState>,
+}
+
+impl std::fmt::Debug for StripedRecv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StripedRecv({} rails)", self.rails.len())
+    }
+}
+
+impl StripedRecv {
+    fn new(rails: Vec<Arc<dyn Receiver>>, stripe: usize) -> Result<Self> {
+        let devs = rail_devices(&rails)?;
+        let st = RecvState {
+            reqs: Pool::new(MAX_REQUESTS).map_err(|e| Error::system(e.to_string()))?,
+            headers: Headers::new(&devs[0])?,
+            queues: vec![VecDeque::new(); rails.len()],
+            waiting: HashMap::new(),
+            posted: HashMap::new(),
+            failed: None,
+        };
+        Ok(Self {
+            rails,
+            devs,
+            stripe,
+            st: Mutex::new(st),
+        })
+    }
+
+    /// Hands each rail what it can take now, in order.
+    fn post(&self, st: &mut RecvState) -> Result<()> {
+        for (r, rail) in self.rails.iter().enumerate() {
+            while let Some(&post) = st.queues[r].front() {
+                let Some(&req) = st.reqs.get(post.slot) else {
+                    st.queues[r].pop_front();
+                    continue;
+                };
+                let header_mem = [st.headers.mem];
+                let buf = match post.part {
+                    None => RecvBuf {
+                        data: st.headers.slot(post.slot),
+                        size: HEADER_LEN,
+                        tag: req.tag,
+                        mem: &header_mem,
+                        phandle: std::ptr::null_mut(),
+                    },
+                    // Cut to the buffer: nothing lands past it.
+                    Some(p) => RecvBuf {
+                        data: (req.data + p.off.min(req.cap)) as *mut u8,
+                        size: p.len.min(req.cap.saturating_sub(p.off)),
+                        tag: req.tag,
+                        mem: &req.mems[r..=r],
+                        phandle: std::ptr::null_mut(),
+                    },
+                };
+                // SAFETY: a header slot lives as long as the comm; a part
+                // lies in NCCL's buffer (cut to its capacity), which NCCL
+                // keeps until the request is done.
+                let id =
+                    unsafe { rail.irecv(&[buf]) }.map_err(|e| e.context(format!("rail {r}")))?;
+                let Some(id) = id else { break };
+                st.queues[r].pop_front();
+                if let Some(q) = st.reqs.get_mut(post.slot) {
+                    match post.part {
+                        None => q.header = Some(id),
+                        Some(_) => q.members.push(r, id),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the headers that arrived, queues their parts and the next
+    /// header of their tag; `Ok(true)` if anything moved.
+    fn headers(&self, st: &mut RecvState) -> Result<bool> {
+        let n = self.rails.len();
+        let mut moved = false;
+        let fronts: Vec<u32> = st
+            .waiting
+            .values()
+            .filter_map(|q| q.front().copied())
+            .collect();
+        for slot in fronts {
+            let Some(&req) = st.reqs.get(slot) else {
+                continue;
+            };
+            let Some(hid) = req.header.filter(|_| req.stage == Stage::Header) else {
+                continue;
+            };
+            let Some(d) = self.rails[0].test(hid).map_err(|e| e.context("rail 0"))? else {
+                continue;
+            };
+            let got = &st.headers.read(slot)[..d.sizes[0].min(HEADER_LEN)];
+            let h = Header::decode(got, req.number, n).map_err(|why| {
+                Error::remote(format!(
+                    "virtual device comm from {}: tag {}: {why}; the peer is not a matching Weft, or the stream is corrupted",
+                    peer_names(&self.rails),
+                    req.tag
+                ))
+            })?;
+            let size = usize::try_from(h.size).unwrap_or(usize::MAX);
+            let parts = layout(size, n, usize::from(h.first), self.stripe);
+            if let Some(q) = st.reqs.get_mut(slot) {
+                q.stage = Stage::Parts;
+                q.size = size;
+                q.members.unposted = parts.len() as u8;
+            }
+            for p in parts {
+                st.queues[p.rail].push_back(Post {
+                    slot,
+                    part: Some(p),
+                });
+            }
+            let q = st.waiting.get_mut(&req.tag).expect("its tag");
+            q.pop_front();
+            if let Some(&next) = q.front() {
+                if let Some(r) = st.reqs.get_mut(next) {
+                    r.stage = Stage::Header;
+                }
+                st.queues[0].push_back(Post {
+                    slot: next,
+                    part: None,
+                });
+            } else {
+                st.waiting.remove(&req.tag);
+            }
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    fn progress(&self, st: &mut RecvState) -> Result<()> {
+        loop {
+            self.post(st)?;
+            if !self.headers(st)? {
+                return Ok(());
+            }
+        }
+    }
+
+    fn test_req(&self, id: ReqId) -> Result<Option<Done>> {
+        let mut st = lock(&self.st);
+        if let Some(e) = st.failed.clone() {
+            st.reqs.release(id.slot);
+            return Err(e);
+        }
+        if !st.reqs.is_current(id.slot, id.gen) {
+            return Err(Error::internal(format!(
+                "test: request {} of a virtual device's receive comm is not live",
+                id.slot
+            )));
+        }
+        let r = self.progress(&mut st).and_then(|()| {
+            let req = *st.reqs.get(id.slot).expect("live");
+            if req.stage != Stage::Parts {
+                return Ok(None);
+            }
+            let mut m = req.members;
+            let finished = m.test(&self.rails)?;
+            st.reqs.get_mut(id.slot).expect("live").members = m;
+            if !finished {
+                return Ok(None);
+            }
+            if req.size > req.cap {
+                return Err(Error::remote(format!(
+                    "receive: peer {} sent {} bytes with tag {} into a buffer of {}: message truncated, nothing written past the buffer",
+                    peer_names(&self.rails),
+                    req.size,
+                    req.tag,
+                    req.cap
+                )));
+            }
+            if m.bytes != req.size {
+                return Err(Error::remote(format!(
+                    "receive: the rails brought {} bytes of a {}-byte message (tag {})",
+                    m.bytes, req.size, req.tag
+                )));
+            }
+            Ok(Some(done(req.size)))
+        });
+        match r {
+            Ok(None) => Ok(None),
+            Ok(Some(d)) => {
+                st.reqs.release(id.slot);
+                Ok(Some(d))
+            }
+            Err(e) => {
+                st.reqs.release(id.slot);
+                Err(broken(&mut st.failed, e))
+            }
+        }
+    }
+}
+
+impl Receiver for StripedRecv {
+    unsafe fn irecv(&self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
+        let n = self.rails.len();
+        let [b] = bufs else {
+            return Err(Error::internal(format!(
+                "irecv with n = {} on a virtual device, which reported maxRecvs = 1",
+                bufs.len()
+            )));
+        };
+        if b.mem.len() != n {
+            return Err(Error::internal(format!(
+                "irecv: {} registrations for a comm of {n} rails",
+                b.mem.len()
+            )));
+        }
+        let mut st = lock(&self.st);
+        if let Some(e) = &st.failed {
+            return Err(e.clone());
+        }
+        if st.reqs.in_use() >= MAX_REQUESTS {
+            self.progress(&mut st)
+                .map_err(|e| broken(&mut st.failed, e))?;
+            return Ok(None);
+        }
+        let number = *st.posted.get(&b.tag).unwrap_or(&0);
+        let mut mems = [Mem::NONE; MAX_RAILS];
+        mems[..n].copy_from_slice(b.mem);
+        let req = RReq {
+            data: b.data as usize,
+            cap: b.size,
+            tag: b.tag,
+            number,
+            mems,
+            stage: Stage::Queued,
+            header: None,
+            size: 0,
+            members: Members::NONE,
+        };
+        let Some((_, slot)) = st.reqs.insert(req) else {
+            return Ok(None);
+        };
+        st.posted.insert(b.tag, number.wrapping_add(1));
+        let q = st.waiting.entry(b.tag).or_default();
+        q.push_back(slot);
+        if q.len() == 1 {
+            st.reqs.get_mut(slot).expect("inserted").stage = Stage::Header;
+            st.queues[0].push_back(Post { slot, part: None });
+        }
+        self.progress(&mut st)
+            .map_err(|e| broken(&mut st.failed, e))?;
+        Ok(Some(ReqId {
+            slot,
+            gen: st.reqs.gen(slot),
+        }))
+    }
+}
+
+comm_over_rails!(StripedRecv);
+
+// -------------------------------------------------------------- listening
+
+struct ListenState {
+    got: Vec<Option<Arc<dyn Receiver>>>,
+    handed: bool,
+}
+
+/// A listener on a virtual device: one member listener per rail. It
+/// accepts one connection (NCCL listens once per connection); a further
+/// one is closed at once with a WARN, so its sender fails instead of
+/// pairing rails of two peers.
+pub struct StripedListen {
+    rails: Vec<Arc<dyn Listener>>,
+    stripe: usize,
+    st: Mutex<ListenState>,
+}
+
+impl std::fmt::Debug for StripedListen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StripedListen({} rails)", self.rails.len())
+    }
+}
+
+impl StripedListen {
+    /// A listener over `rails` (rail order = the virtual device's).
+    pub fn new(rails: Vec<Arc<dyn Listener>>, stripe: usize) -> Self {
+        let got = vec![None; rails.len()];
+        Self {
+            rails,
+            stripe,
+            st: Mutex::new(ListenState { got, handed: false }),
+        }
+    }
+}
+
+impl Listener for StripedListen {
+    fn accept(&self) -> Result<Option<Arc<dyn Receiver>>> {
+        let mut st = lock(&self.st);
+        for (r, l) in self.rails.iter().enumerate() {
+            let Some(c) = l.accept()? else { continue };
+            if st.handed || st.got[r].is_some() {
+                tracing::warn!(
+                    "listener on a virtual device: closed a second connection on rail {r} from {}: a virtual device's listen comm takes one connection",
+                    c.peer_name()
+                );
+                continue;
+            }
+            st.got[r] = Some(c);
+        }
+        if st.handed || st.got.iter().any(Option::is_none) {
+            return Ok(None);
+        }
+        st.handed = true;
+        let rails: Vec<_> = st.got.iter_mut().map(|c| c.take().expect("all")).collect();
+        Ok(Some(Arc::new(StripedRecv::new(rails, self.stripe)?)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn covers(parts: &[Part], size: usize) {
+        let mut at = 0;
+        for p in parts {
+            assert_eq!(p.off, at, "{parts:?}");
+            at += p.len;
+        }
+        assert_eq!(at, size, "{parts:?}");
+    }
+
+    #[test]
+    fn small_messages_go_whole_round_robin() {
+        for first in 0..4 {
+            let p = layout(1000, 2, first, 65536);
+            assert_eq!(
+                p,
+                [Part {
+                    rail: first % 2,
+                    off: 0,
+                    len: 1000
+                }]
+            );
+        }
+        assert_eq!(
+            layout(0, 3, 1, 65536).len(),
+            1,
+            "an empty message is one part"
+        );
+        assert_eq!(layout(1 << 30, 1, 0, 65536).len(), 1, "one rail");
+    }
+
+    #[test]
+    fn large_messages_stripe_over_every_rail_aligned() {
+        for rails in 2..=MAX_RAILS {
+            for size in [65536, 65537, 1 << 20, (1 << 20) + 3, 64 << 20] {
+                for first in 0..rails {
+                    let p = layout(size, rails, first, 65536);
+                    covers(&p, size);
+                    let slice = p[0].len;
+                    assert_eq!(p.len(), size.div_ceil(slice), "{size} over {rails}");
+                    assert!(p.len() <= rails);
+                    if size >= rails * rails * STRIPE_ALIGN {
+                        assert_eq!(p.len(), rails, "{size} over {rails}: every rail");
+                    }
+                    for (i, part) in p.iter().enumerate() {
+                        assert_eq!(part.rail, (first + i) % rails);
+                        assert_eq!(part.off % STRIPE_ALIGN, 0);
+                        assert!(part.len > 0);
+                    }
+                }
+            }
+        }
+        // Fewer slices than rails when the size is just above the threshold.
+        let p = layout(4097, 4, 0, 4096);
+        covers(&p, 4097);
+        assert_eq!(p.len(), 2);
+    }
+
+    #[test]
+    fn headers_round_trip_and_bad_ones_say_why() {
+        let h = Header {
+            number: 7,
+            size: 1 << 33,
+            first: 1,
+        };
+        let b = h.encode();
+        assert_eq!(Header::decode(&b, 7, 2), Ok(h));
+        assert!(Header::decode(&b[..10], 7, 2)
+            .unwrap_err()
+            .contains("10 bytes"));
+        assert!(Header::decode(&b, 8, 2).unwrap_err().contains("message 7"));
+        assert!(Header::decode(&b, 7, 1)
+            .unwrap_err()
+            .contains("rail 1 of 1"));
+        let mut bad = b;
+        bad[0] ^= 1;
+        assert!(Header::decode(&bad, 7, 2).unwrap_err().contains("not Weft"));
+        let mut bad = b;
+        bad[20] = 1;
+        assert!(Header::decode(&bad, 7, 2).unwrap_err().contains("stray"));
+    }
+}
