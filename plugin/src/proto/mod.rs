@@ -220,6 +220,9 @@ pub trait Comm: Send + Sync + std::fmt::Debug {
     fn keepalive(&self, now: Instant);
     /// The peer's address as text (log lines, profiler events).
     fn peer_name(&self) -> String;
+    /// An error once the peer was declared dead (silent, or said `Bye`).
+    /// Never waits: `Ok` while another thread holds the comm.
+    fn alive(&self) -> Result<()>;
     /// Test hook: holds the comm's state as a keeper stuck in the provider
     /// would, until `release` fires; `held` is signalled once held.
     #[doc(hidden)]

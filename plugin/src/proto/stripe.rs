@@ -273,6 +273,17 @@ fn broken(failed: &mut Option<Error>, e: Error) -> Error {
     failed.get_or_insert(e).clone()
 }
 
+/// An error naming the first rail whose peer was declared dead: a comm on
+/// a virtual device fails as a whole when one rail does, whether or not
+/// that rail had anything in flight.
+fn rails_alive<C: Comm + ?Sized>(rails: &[Arc<C>]) -> Result<()> {
+    for (r, rail) in rails.iter().enumerate() {
+        rail.alive()
+            .map_err(|e| e.context(format!("virtual device, rail {r}")))?;
+    }
+    Ok(())
+}
+
 fn peer_names<C: Comm + ?Sized>(rails: &[Arc<C>]) -> String {
     rails
         .iter()
@@ -307,6 +318,9 @@ macro_rules! comm_over_rails {
             }
             fn peer_name(&self) -> String {
                 peer_names(&self.rails)
+            }
+            fn alive(&self) -> Result<()> {
+                rails_alive(&self.rails)
             }
             fn hold(&self, held: &Tx<()>, release: &Rx<()>) {
                 self.rails[0].hold(held, release);
@@ -378,6 +392,7 @@ impl StripedSend {
 
     /// Hands each rail what it can take now, in order.
     fn progress(&self, st: &mut SendState) -> Result<()> {
+        rails_alive(&self.rails)?;
         for (r, rail) in self.rails.iter().enumerate() {
             while let Some(&post) = st.queues[r].front() {
                 let Some(&req) = st.reqs.get(post.slot) else {
@@ -714,6 +729,7 @@ impl StripedRecv {
     }
 
     fn progress(&self, st: &mut RecvState) -> Result<()> {
+        rails_alive(&self.rails)?;
         loop {
             self.post(st)?;
             if !self.headers(st)? {

@@ -3,10 +3,12 @@
 //!
 //! ```text
 //! init <provider>             -> ok
-//! listen                      -> handle <hex>
+//! init-on <provider> <iface>  -> ok devices <name,...>
+//! vdev <dev,dev,...>          -> vdev <index> <name> <speed>   (makeVDevice)
+//! listen [dev]                -> handle <hex>
 //! accept                      -> ok
 //! close-listen                -> ok
-//! connect <hex>               -> ok
+//! connect <hex> [dev]         -> ok
 //! half-connect <hex>          -> ok    (speaks the handshake by hand: sends Conn, reads
 //!                                       the Ack, never confirms; stays that way)
 //! send <count> <size> <tag>   -> ok <bytes>    (window of 8, content from host::pattern)
@@ -252,6 +254,18 @@ impl Peer {
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(|e| e.to_string())?;
                 format!("ok devices {}", names.join(","))
+            }
+            // vdev DEV,DEV,...: fuses the devices (makeVDevice).
+            Some("vdev") => {
+                let devs = w
+                    .get(1)
+                    .ok_or("vdev needs devices")?
+                    .split(',')
+                    .map(|d| d.parse::<i32>().map_err(|e| e.to_string()))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let v = core::make_vdevice(&devs, 8).map_err(|e| e.to_string())?;
+                let p = core::properties(v).map_err(|e| e.to_string())?;
+                format!("vdev {v} {} {}", p.name.to_string_lossy(), p.speed)
             }
             // listen [DEV] (device 0 by default)
             Some("listen") => {

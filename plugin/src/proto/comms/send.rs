@@ -455,6 +455,12 @@ impl Comm for SendComm {
     fn peer_name(&self) -> String {
         lock(&self.inner).peer.link.name.clone()
     }
+    fn alive(&self) -> Result<()> {
+        match try_lock(&self.inner) {
+            Some(st) if st.peer.link.dead.is_some() => Err(st.peer.link.dead_error()),
+            _ => Ok(()),
+        }
+    }
     fn hold(&self, held: &Tx<()>, release: &Rx<()>) {
         hold(&self.inner, held, release);
     }
