@@ -119,6 +119,47 @@ impl Cluster {
         ])
     }
 
+    /// Shapes what host `h` sends on rail `r` with a token bucket (`tc
+    /// qdisc replace ... tbf`): `rate` (tc's units, e.g. `200mbit`) and a
+    /// queue of `limit` bytes; what does not fit the queue is dropped, as on
+    /// a congested link. This kernel has tbf, but not netem (random loss,
+    /// delay, reordering) nor any tc action to drop with.
+    pub fn shape(&self, h: usize, r: usize, rate: &str, limit: u32) -> Result<(), String> {
+        let out = self
+            .command(h, "tc")
+            .args(["qdisc", "replace", "dev", &format!("r{r}"), "root", "tbf"])
+            .args(["rate", rate, "burst", "16kb", "limit", &limit.to_string()])
+            .output()
+            .map_err(|e| format!("tc: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "tc qdisc ... tbf on host {h} rail {r}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    }
+
+    /// Packets the queue of host `h`'s rail `r` dropped so far.
+    pub fn drops(&self, h: usize, r: usize) -> Result<u64, String> {
+        let out = self
+            .command(h, "tc")
+            .args(["-s", "qdisc", "show", "dev", &format!("r{r}")])
+            .output()
+            .map_err(|e| format!("tc: {e}"))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.split("dropped ")
+            .skip(1)
+            .map(|t| {
+                t.split(|c: char| !c.is_ascii_digit())
+                    .next()
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .ok_or_else(|| format!("tc -s qdisc: {text}"))
+            })
+            .sum()
+    }
+
     fn teardown(&self) {
         for h in 0..self.hosts {
             let _ = ip(&["netns", "del", &self.host(h)]);

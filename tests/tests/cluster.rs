@@ -3,8 +3,9 @@
 //! them talking tcp over the rails. Needs root (CI has it); everything is
 //! torn down afterwards, also when a test fails.
 //!
-//! Not here (this kernel has no `sch_netem`, and no nftables/iptables):
-//! loss, delay and reordering on the wire.
+//! Not here (this kernel has no `sch_netem`, no tc actions, and no
+//! nftables/iptables): random loss, delay with jitter and reordering on the
+//! wire. Loss under congestion is here (a token bucket with a short queue).
 
 use std::time::{Duration, Instant};
 
@@ -98,6 +99,45 @@ fn tcp_between_two_hosts() {
         a.quit();
         b.quit();
     }
+}
+
+/// A congested link: host 1's rail shaped to 200 Mbit/s with a 24 KB
+/// queue (`tc ... tbf`), so the kernel drops what overflows it and tcp
+/// sends it again; every byte still arrives verified.
+#[test]
+fn a_congested_link_drops_packets_and_every_byte_arrives() {
+    let c = Cluster::new(2, 1).expect("the cluster");
+    c.shape(1, 0, "200mbit", 24_000)
+        .expect("tbf on host 1's rail");
+    let mut dropped = 0;
+    for protocol in ["rdma", "sendrecv"] {
+        let mut a = peer_on(&c, 0, protocol, "30");
+        let mut b = peer_on(&c, 1, protocol, "30");
+        connect(&mut a, &mut b);
+        let before = c.drops(1, 0).expect("drops");
+        let (count, size) = (32u64, 1usize << 20);
+        let t = Instant::now();
+        b.start(&format!("send {count} {size} 5"));
+        let got = a.cmd(&format!("recv {count} {size} 5"));
+        assert_eq!(b.reply(), format!("ok {}", count * size as u64));
+        assert_eq!(
+            got,
+            format!("ok {}", count * size as u64),
+            "{protocol}: every byte verified"
+        );
+        let drops = c.drops(1, 0).expect("drops") - before;
+        dropped += drops;
+        println!(
+            "{protocol}: 32 MiB verified over a 200 Mbit/s link with a 24 KB queue: {:.1} MB/s, {drops} packets dropped by the queue",
+            (count * size as u64) as f64 / t.elapsed().as_secs_f64() / 1e6
+        );
+        a.quit();
+        b.quit();
+    }
+    assert!(
+        dropped > 0,
+        "the shaped queue dropped nothing: no loss was tested"
+    );
 }
 
 /// A host whose link goes down (its switch port, as a pulled cable): the

@@ -44,7 +44,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::pool::Pool;
-use super::sync::{lock, try_lock};
+use super::sync::try_lock;
 use super::wire::MAX_RAILS;
 use super::{
     Comm, DeviceState, Done, Listener, Mem, Receiver, RecvBuf, ReqId, Sender, MAX_RECVS,
@@ -332,55 +332,55 @@ macro_rules! comm_over_rails {
     };
 }
 
-// ---------------------------------------------------------------- sending
-
-/// A send.
-#[derive(Debug, Clone, Copy)]
-struct SReq {
-    data: usize,
-    size: usize,
-    tag: i32,
-    mems: [Mem; MAX_RAILS],
-    members: Members,
-}
-
-struct SendState {
-    reqs: Pool<SReq>,
+/// One side of a comm on a virtual device: its requests (`R`), their
+/// header slots, what each rail has still to post, messages per tag (sent,
+/// or receives posted), the first failure, and the side's own state `X`.
+struct Side<R: Copy, X> {
+    reqs: Pool<R>,
     headers: Headers,
     queues: Vec<VecDeque<Post>>,
-    /// Messages sent so far per tag.
-    sent: HashMap<i32, u32>,
-    /// The rail the next message starts on.
-    first: usize,
+    counts: HashMap<i32, u32>,
     failed: Option<Error>,
+    x: X,
+}
+
+/// A comm on a virtual device: one member comm (`C`) per rail and the
+/// state of its side.
+pub struct Striped<C: ?Sized, R: Copy, X> {
+    rails: Vec<Arc<C>>,
+    devs: Vec<Arc<DeviceState>>,
+    stripe: usize,
+    st: Mutex<Side<R, X>>,
 }
 
 /// A sending comm on a virtual device (also while it connects).
-pub struct StripedSend {
-    rails: Vec<Arc<dyn Sender>>,
-    devs: Vec<Arc<DeviceState>>,
-    stripe: usize,
-    st: Mutex<SendState>,
-}
+pub type StripedSend = Striped<dyn Sender, SReq, usize>;
+/// A receiving comm on a virtual device.
+pub type StripedRecv = Striped<dyn Receiver, RReq, HashMap<i32, VecDeque<u32>>>;
 
-impl std::fmt::Debug for StripedSend {
+impl<C: Comm + ?Sized, R: Copy, X> std::fmt::Debug for Striped<C, R, X> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "StripedSend({} rails)", self.rails.len())
+        write!(
+            f,
+            "Striped({} rails: {})",
+            self.rails.len(),
+            peer_names(&self.rails)
+        )
     }
 }
 
-impl StripedSend {
-    /// A sender over `rails` (one member per rail, connecting), striping
-    /// messages of `stripe` bytes and more.
-    pub fn new(rails: Vec<Arc<dyn Sender>>, stripe: usize) -> Result<Self> {
+impl<C: Comm + ?Sized, R: Copy, X> Striped<C, R, X> {
+    /// A comm over `rails` (one member per rail), striping messages of
+    /// `stripe` bytes and more; `x` starts the side's own state.
+    fn open(rails: Vec<Arc<C>>, stripe: usize, x: X) -> Result<Self> {
         let devs = rail_devices(&rails)?;
-        let st = SendState {
+        let st = Side {
             reqs: Pool::new(MAX_REQUESTS).map_err(|e| Error::system(e.to_string()))?,
             headers: Headers::new(&devs[0])?,
             queues: vec![VecDeque::new(); rails.len()],
-            sent: HashMap::new(),
-            first: 0,
+            counts: HashMap::new(),
             failed: None,
+            x,
         };
         Ok(Self {
             rails,
@@ -388,6 +388,57 @@ impl StripedSend {
             stripe,
             st: Mutex::new(st),
         })
+    }
+
+    /// Tests request `id` with `step` (which moves the comm on and says
+    /// whether the request is done); a finished or failed request is
+    /// freed, and a failure breaks the comm. Never waits for the keeper.
+    fn test_with(
+        &self,
+        id: ReqId,
+        step: impl FnOnce(&mut Side<R, X>) -> Result<Option<Done>>,
+    ) -> Result<Option<Done>> {
+        let Some(mut st) = try_lock(&self.st) else {
+            return Ok(None);
+        };
+        if let Some(e) = st.failed.clone() {
+            st.reqs.release(id.slot);
+            return Err(e);
+        }
+        if !st.reqs.is_current(id.slot, id.gen) {
+            return Err(Error::internal(format!(
+                "test: request {} of a virtual device's comm is not live",
+                id.slot
+            )));
+        }
+        let r = step(&mut st);
+        if !matches!(r, Ok(None)) {
+            st.reqs.release(id.slot);
+        }
+        r.map_err(|e| broken(&mut st.failed, e))
+    }
+}
+
+// ---------------------------------------------------------------- sending
+
+/// A send.
+#[derive(Debug, Clone, Copy)]
+pub struct SReq {
+    data: usize,
+    size: usize,
+    tag: i32,
+    mems: [Mem; MAX_RAILS],
+    members: Members,
+}
+
+/// The sender's state; `x` is the rail the next message starts on.
+type SendState = Side<SReq, usize>;
+
+impl StripedSend {
+    /// A sender over `rails` (one member per rail, connecting), striping
+    /// messages of `stripe` bytes and more.
+    pub fn new(rails: Vec<Arc<dyn Sender>>, stripe: usize) -> Result<Self> {
+        Self::open(rails, stripe, 0)
     }
 
     /// Hands each rail what it can take now, in order.
@@ -423,35 +474,14 @@ impl StripedSend {
     }
 
     fn test_req(&self, id: ReqId) -> Result<Option<Done>> {
-        let mut st = lock(&self.st);
-        if let Some(e) = st.failed.clone() {
-            st.reqs.release(id.slot);
-            return Err(e);
-        }
-        if !st.reqs.is_current(id.slot, id.gen) {
-            return Err(Error::internal(format!(
-                "test: request {} of a virtual device's send comm is not live",
-                id.slot
-            )));
-        }
-        let r = self.progress(&mut st).and_then(|()| {
-            let mut m = st.reqs.get(id.slot).expect("live").members;
+        self.test_with(id, |st| {
+            self.progress(st)?;
+            let req = *st.reqs.get(id.slot).expect("live");
+            let mut m = req.members;
             let finished = m.test(&self.rails)?;
             st.reqs.get_mut(id.slot).expect("live").members = m;
-            Ok(finished)
-        });
-        match r {
-            Ok(false) => Ok(None),
-            Ok(true) => {
-                let size = st.reqs.get(id.slot).expect("live").size;
-                st.reqs.release(id.slot);
-                Ok(Some(done(size)))
-            }
-            Err(e) => {
-                st.reqs.release(id.slot);
-                Err(broken(&mut st.failed, e))
-            }
-        }
+            Ok(finished.then(|| done(req.size)))
+        })
     }
 }
 
@@ -485,7 +515,10 @@ impl Sender for StripedSend {
                 mem.len()
             )));
         }
-        let mut st = lock(&self.st);
+        // Never wait for the keeper (it moves the comm on in the background).
+        let Some(mut st) = try_lock(&self.st) else {
+            return Ok(None);
+        };
         if let Some(e) = &st.failed {
             return Err(e.clone());
         }
@@ -494,8 +527,8 @@ impl Sender for StripedSend {
                 .map_err(|e| broken(&mut st.failed, e))?;
             return Ok(None);
         }
-        let number = *st.sent.get(&tag).unwrap_or(&0);
-        let first = st.first;
+        let number = *st.counts.get(&tag).unwrap_or(&0);
+        let first = st.x;
         let parts = layout(size, n, first, self.stripe);
         let mut mems = [Mem::NONE; MAX_RAILS];
         mems[..n].copy_from_slice(mem);
@@ -512,8 +545,8 @@ impl Sender for StripedSend {
         let Some((_, slot)) = st.reqs.insert(req) else {
             return Ok(None);
         };
-        st.sent.insert(tag, number.wrapping_add(1));
-        st.first = (first + 1) % n;
+        st.counts.insert(tag, number.wrapping_add(1));
+        st.x = (first + 1) % n;
         let header = Header {
             number,
             size: size as u64,
@@ -567,7 +600,7 @@ enum Stage {
 
 /// A receive.
 #[derive(Debug, Clone, Copy)]
-struct RReq {
+pub struct RReq {
     data: usize,
     cap: usize,
     tag: i32,
@@ -580,49 +613,13 @@ struct RReq {
     members: Members,
 }
 
-struct RecvState {
-    reqs: Pool<RReq>,
-    headers: Headers,
-    queues: Vec<VecDeque<Post>>,
-    /// Per tag, the receives in NCCL's order; the first one's header is
-    /// posted, the others wait their turn.
-    waiting: HashMap<i32, VecDeque<u32>>,
-    /// Receives posted so far per tag.
-    posted: HashMap<i32, u32>,
-    failed: Option<Error>,
-}
-
-/// A receiving comm on a virtual device.
-pub struct StripedRecv {
-    rails: Vec<Arc<dyn Receiver>>,
-    devs: Vec<Arc<DeviceState>>,
-    stripe: usize,
-    st: Mutex<RecvState>,
-}
-
-impl std::fmt::Debug for StripedRecv {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "StripedRecv({} rails)", self.rails.len())
-    }
-}
+/// The receiver's state; `x` holds, per tag, the receives in NCCL's
+/// order: the first one's header is posted, the others wait their turn.
+type RecvState = Side<RReq, HashMap<i32, VecDeque<u32>>>;
 
 impl StripedRecv {
     fn new(rails: Vec<Arc<dyn Receiver>>, stripe: usize) -> Result<Self> {
-        let devs = rail_devices(&rails)?;
-        let st = RecvState {
-            reqs: Pool::new(MAX_REQUESTS).map_err(|e| Error::system(e.to_string()))?,
-            headers: Headers::new(&devs[0])?,
-            queues: vec![VecDeque::new(); rails.len()],
-            waiting: HashMap::new(),
-            posted: HashMap::new(),
-            failed: None,
-        };
-        Ok(Self {
-            rails,
-            devs,
-            stripe,
-            st: Mutex::new(st),
-        })
+        Self::open(rails, stripe, HashMap::new())
     }
 
     /// Hands each rail what it can take now, in order.
@@ -674,11 +671,7 @@ impl StripedRecv {
     fn headers(&self, st: &mut RecvState) -> Result<bool> {
         let n = self.rails.len();
         let mut moved = false;
-        let fronts: Vec<u32> = st
-            .waiting
-            .values()
-            .filter_map(|q| q.front().copied())
-            .collect();
+        let fronts: Vec<u32> = st.x.values().filter_map(|q| q.front().copied()).collect();
         for slot in fronts {
             let Some(&req) = st.reqs.get(slot) else {
                 continue;
@@ -710,7 +703,7 @@ impl StripedRecv {
                     part: Some(p),
                 });
             }
-            let q = st.waiting.get_mut(&req.tag).expect("its tag");
+            let q = st.x.get_mut(&req.tag).expect("its tag");
             q.pop_front();
             if let Some(&next) = q.front() {
                 if let Some(r) = st.reqs.get_mut(next) {
@@ -721,7 +714,7 @@ impl StripedRecv {
                     part: None,
                 });
             } else {
-                st.waiting.remove(&req.tag);
+                st.x.remove(&req.tag);
             }
             moved = true;
         }
@@ -739,18 +732,8 @@ impl StripedRecv {
     }
 
     fn test_req(&self, id: ReqId) -> Result<Option<Done>> {
-        let mut st = lock(&self.st);
-        if let Some(e) = st.failed.clone() {
-            st.reqs.release(id.slot);
-            return Err(e);
-        }
-        if !st.reqs.is_current(id.slot, id.gen) {
-            return Err(Error::internal(format!(
-                "test: request {} of a virtual device's receive comm is not live",
-                id.slot
-            )));
-        }
-        let r = self.progress(&mut st).and_then(|()| {
+        self.test_with(id, |st| {
+            self.progress(st)?;
             let req = *st.reqs.get(id.slot).expect("live");
             if req.stage != Stage::Parts {
                 return Ok(None);
@@ -777,18 +760,7 @@ impl StripedRecv {
                 )));
             }
             Ok(Some(done(req.size)))
-        });
-        match r {
-            Ok(None) => Ok(None),
-            Ok(Some(d)) => {
-                st.reqs.release(id.slot);
-                Ok(Some(d))
-            }
-            Err(e) => {
-                st.reqs.release(id.slot);
-                Err(broken(&mut st.failed, e))
-            }
-        }
+        })
     }
 }
 
@@ -807,7 +779,10 @@ impl Receiver for StripedRecv {
                 b.mem.len()
             )));
         }
-        let mut st = lock(&self.st);
+        // Never wait for the keeper (it moves the comm on in the background).
+        let Some(mut st) = try_lock(&self.st) else {
+            return Ok(None);
+        };
         if let Some(e) = &st.failed {
             return Err(e.clone());
         }
@@ -816,7 +791,7 @@ impl Receiver for StripedRecv {
                 .map_err(|e| broken(&mut st.failed, e))?;
             return Ok(None);
         }
-        let number = *st.posted.get(&b.tag).unwrap_or(&0);
+        let number = *st.counts.get(&b.tag).unwrap_or(&0);
         let mut mems = [Mem::NONE; MAX_RAILS];
         mems[..n].copy_from_slice(b.mem);
         let req = RReq {
@@ -833,8 +808,8 @@ impl Receiver for StripedRecv {
         let Some((_, slot)) = st.reqs.insert(req) else {
             return Ok(None);
         };
-        st.posted.insert(b.tag, number.wrapping_add(1));
-        let q = st.waiting.entry(b.tag).or_default();
+        st.counts.insert(b.tag, number.wrapping_add(1));
+        let q = st.x.entry(b.tag).or_default();
         q.push_back(slot);
         if q.len() == 1 {
             st.reqs.get_mut(slot).expect("inserted").stage = Stage::Header;
@@ -888,7 +863,10 @@ impl StripedListen {
 
 impl Listener for StripedListen {
     fn accept(&self) -> Result<Option<Arc<dyn Receiver>>> {
-        let mut st = lock(&self.st);
+        // Never wait for the keeper (it moves the comm on in the background).
+        let Some(mut st) = try_lock(&self.st) else {
+            return Ok(None);
+        };
         for (r, l) in self.rails.iter().enumerate() {
             let Some(c) = l.accept()? else { continue };
             if st.handed || st.got[r].is_some() {

@@ -907,6 +907,12 @@ mod tests {
             h[..n].copy_from_slice(&bytes[..n]);
             let _ = ListenHandle::decode(&h);
             let _ = read_stage(&h);
+            let _ = decode_any(&h);
+            // And as a rails handle, whose rail list is what is random.
+            h[0..4].copy_from_slice(&HANDLE_MAGIC);
+            h[4..6].copy_from_slice(&HANDLE_VERSION.to_le_bytes());
+            h[7] |= PROTO_RAILS;
+            let _ = decode_any(&h);
         }
 
         #[test]
