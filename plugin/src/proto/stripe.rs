@@ -419,6 +419,52 @@ impl<C: Comm + ?Sized, R: Copy, X> Striped<C, R, X> {
     }
 }
 
+impl<C: Comm + ?Sized, R: Copy, X> Striped<C, R, X> {
+    /// Posts a request (`call`: isend, irecv) of `tag` with its
+    /// registrations `mem`, one per rail: `place` makes and queues it from
+    /// its number among its tag's messages and the registrations, and
+    /// returns its slot; then the comm moves on (`progress`). `Ok(None)`
+    /// while every request is in use or the keeper holds the comm.
+    fn post_with(
+        &self,
+        call: &str,
+        mem: &[Mem],
+        tag: i32,
+        progress: impl Fn(&mut Side<R, X>) -> Result<()>,
+        place: impl FnOnce(&mut Side<R, X>, u32, [Mem; MAX_RAILS]) -> Option<u32>,
+    ) -> Result<Option<ReqId>> {
+        let n = self.rails.len();
+        if mem.len() != n {
+            return Err(Error::internal(format!(
+                "{call}: {} registrations for a comm of {n} rails",
+                mem.len()
+            )));
+        }
+        let Some(mut st) = try_lock(&self.st) else {
+            return Ok(None);
+        };
+        if let Some(e) = &st.failed {
+            return Err(e.clone());
+        }
+        if st.reqs.in_use() >= MAX_REQUESTS {
+            progress(&mut st).map_err(|e| broken(&mut st.failed, e))?;
+            return Ok(None);
+        }
+        let number = *st.counts.get(&tag).unwrap_or(&0);
+        let mut mems = [Mem::NONE; MAX_RAILS];
+        mems[..n].copy_from_slice(mem);
+        let Some(slot) = place(&mut st, number, mems) else {
+            return Ok(None);
+        };
+        st.counts.insert(tag, number.wrapping_add(1));
+        progress(&mut st).map_err(|e| broken(&mut st.failed, e))?;
+        Ok(Some(ReqId {
+            slot,
+            gen: st.reqs.gen(slot),
+        }))
+    }
+}
+
 // ---------------------------------------------------------------- sending
 
 /// A send.
@@ -509,67 +555,41 @@ impl Sender for StripedSend {
         _phandle: *mut c_void,
     ) -> Result<Option<ReqId>> {
         let n = self.rails.len();
-        if mem.len() != n {
-            return Err(Error::internal(format!(
-                "isend: {} registrations for a comm of {n} rails",
-                mem.len()
-            )));
-        }
-        // Never wait for the keeper (it moves the comm on in the background).
-        let Some(mut st) = try_lock(&self.st) else {
-            return Ok(None);
-        };
-        if let Some(e) = &st.failed {
-            return Err(e.clone());
-        }
-        if st.reqs.in_use() >= MAX_REQUESTS {
-            self.progress(&mut st)
-                .map_err(|e| broken(&mut st.failed, e))?;
-            return Ok(None);
-        }
-        let number = *st.counts.get(&tag).unwrap_or(&0);
-        let first = st.x;
-        let parts = layout(size, n, first, self.stripe);
-        let mut mems = [Mem::NONE; MAX_RAILS];
-        mems[..n].copy_from_slice(mem);
-        let req = SReq {
-            data: data as usize,
-            size,
-            tag,
-            mems,
-            members: Members {
-                unposted: 1 + parts.len() as u8,
-                ..Members::NONE
-            },
-        };
-        let Some((_, slot)) = st.reqs.insert(req) else {
-            return Ok(None);
-        };
-        st.counts.insert(tag, number.wrapping_add(1));
-        st.x = (first + 1) % n;
-        let header = Header {
-            number,
-            size: size as u64,
-            first: first as u8,
-        }
-        .encode();
-        // SAFETY: the slot is HEADER_LEN bytes of this comm's headers.
-        unsafe {
-            std::ptr::copy_nonoverlapping(header.as_ptr(), st.headers.slot(slot), HEADER_LEN)
-        };
-        st.queues[0].push_back(Post { slot, part: None });
-        for p in parts {
-            st.queues[p.rail].push_back(Post {
-                slot,
-                part: Some(p),
-            });
-        }
-        self.progress(&mut st)
-            .map_err(|e| broken(&mut st.failed, e))?;
-        Ok(Some(ReqId {
-            slot,
-            gen: st.reqs.gen(slot),
-        }))
+        let progress = |st: &mut SendState| self.progress(st);
+        self.post_with("isend", mem, tag, progress, |st, number, mems| {
+            let first = st.x;
+            let parts = layout(size, n, first, self.stripe);
+            let req = SReq {
+                data: data as usize,
+                size,
+                tag,
+                mems,
+                members: Members {
+                    unposted: 1 + parts.len() as u8,
+                    ..Members::NONE
+                },
+            };
+            let (_, slot) = st.reqs.insert(req)?;
+            st.x = (first + 1) % n;
+            let header = Header {
+                number,
+                size: size as u64,
+                first: first as u8,
+            }
+            .encode();
+            // SAFETY: the slot is HEADER_LEN bytes of this comm's headers.
+            unsafe {
+                std::ptr::copy_nonoverlapping(header.as_ptr(), st.headers.slot(slot), HEADER_LEN)
+            };
+            st.queues[0].push_back(Post { slot, part: None });
+            for p in parts {
+                st.queues[p.rail].push_back(Post {
+                    slot,
+                    part: Some(p),
+                });
+            }
+            Some(slot)
+        })
     }
 }
 
@@ -766,61 +786,34 @@ impl StripedRecv {
 
 impl Receiver for StripedRecv {
     unsafe fn irecv(&self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
-        let n = self.rails.len();
         let [b] = bufs else {
             return Err(Error::internal(format!(
                 "irecv with n = {} on a virtual device, which reported maxRecvs = 1",
                 bufs.len()
             )));
         };
-        if b.mem.len() != n {
-            return Err(Error::internal(format!(
-                "irecv: {} registrations for a comm of {n} rails",
-                b.mem.len()
-            )));
-        }
-        // Never wait for the keeper (it moves the comm on in the background).
-        let Some(mut st) = try_lock(&self.st) else {
-            return Ok(None);
-        };
-        if let Some(e) = &st.failed {
-            return Err(e.clone());
-        }
-        if st.reqs.in_use() >= MAX_REQUESTS {
-            self.progress(&mut st)
-                .map_err(|e| broken(&mut st.failed, e))?;
-            return Ok(None);
-        }
-        let number = *st.counts.get(&b.tag).unwrap_or(&0);
-        let mut mems = [Mem::NONE; MAX_RAILS];
-        mems[..n].copy_from_slice(b.mem);
-        let req = RReq {
-            data: b.data as usize,
-            cap: b.size,
-            tag: b.tag,
-            number,
-            mems,
-            stage: Stage::Queued,
-            header: None,
-            size: 0,
-            members: Members::NONE,
-        };
-        let Some((_, slot)) = st.reqs.insert(req) else {
-            return Ok(None);
-        };
-        st.counts.insert(b.tag, number.wrapping_add(1));
-        let q = st.x.entry(b.tag).or_default();
-        q.push_back(slot);
-        if q.len() == 1 {
-            st.reqs.get_mut(slot).expect("inserted").stage = Stage::Header;
-            st.queues[0].push_back(Post { slot, part: None });
-        }
-        self.progress(&mut st)
-            .map_err(|e| broken(&mut st.failed, e))?;
-        Ok(Some(ReqId {
-            slot,
-            gen: st.reqs.gen(slot),
-        }))
+        let progress = |st: &mut RecvState| self.progress(st);
+        self.post_with("irecv", b.mem, b.tag, progress, |st, number, mems| {
+            let req = RReq {
+                data: b.data as usize,
+                cap: b.size,
+                tag: b.tag,
+                number,
+                mems,
+                stage: Stage::Queued,
+                header: None,
+                size: 0,
+                members: Members::NONE,
+            };
+            let (_, slot) = st.reqs.insert(req)?;
+            let q = st.x.entry(b.tag).or_default();
+            q.push_back(slot);
+            if q.len() == 1 {
+                st.reqs.get_mut(slot).expect("inserted").stage = Stage::Header;
+                st.queues[0].push_back(Post { slot, part: None });
+            }
+            Some(slot)
+        })
     }
 }
 
