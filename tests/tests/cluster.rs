@@ -294,6 +294,38 @@ fn two_rails_are_two_devices() {
     }
 }
 
+/// Host 1 sends host 0 20 messages of `size` while host 0 waits for 40;
+/// then host 1's rail 1 goes down. Host 0's receive must fail, saying the
+/// peer went silent, within the peer timeout `t` (with room for a loaded
+/// machine); its answer is returned.
+fn rail_1_down_mid_receive(
+    c: &Cluster,
+    a: &mut Peer,
+    b: &mut Peer,
+    size: usize,
+    t: f64,
+    protocol: &str,
+    what: &str,
+) -> String {
+    b.start(&format!("send 20 {size} 5"));
+    a.start(&format!("recv 40 {size} 5"));
+    assert_eq!(b.reply(), format!("ok {}", 20 * size));
+    c.set_link(1, 1, false).expect("rail 1 down");
+    let down = Instant::now();
+    let r = a.reply_raw();
+    let took = down.elapsed();
+    println!("{protocol}: rail 1 down; {what} failed after {took:?}: {r}");
+    assert!(
+        r.starts_with("error") && r.contains("silent"),
+        "{protocol}: {r}"
+    );
+    assert!(
+        took < Duration::from_secs_f64(2.0 * t + 5.0),
+        "{protocol}: took {took:?}"
+    );
+    r
+}
+
 /// A comm on a physical device lives on its rail: when its rail goes down
 /// it fails within the peer timeout, and a comm on the other rail carries
 /// on.
@@ -305,22 +337,7 @@ fn a_rail_down_fails_its_comms_and_spares_the_other_rail() {
         let (mut a0, mut b0, _) = rail_pair(&c, protocol, 0, &T.to_string());
         let (mut a1, mut b1, _) = rail_pair(&c, protocol, 1, &T.to_string());
         // A receive in flight on rail 1 when it goes down.
-        b1.start("send 20 65536 5");
-        a1.start("recv 40 65536 5");
-        assert_eq!(b1.reply(), format!("ok {}", 20 * 65536));
-        c.set_link(1, 1, false).expect("rail 1 down");
-        let down = Instant::now();
-        let r = a1.reply_raw();
-        let took = down.elapsed();
-        println!("{protocol}: rail 1 down; its comm failed after {took:?}: {r}");
-        assert!(
-            r.starts_with("error") && r.contains("silent"),
-            "{protocol}: {r}"
-        );
-        assert!(
-            took < Duration::from_secs_f64(2.0 * T + 5.0),
-            "{protocol}: took {took:?}"
-        );
+        rail_1_down_mid_receive(&c, &mut a1, &mut b1, 65536, T, protocol, "its comm");
         // Rail 0 carries on, verified.
         b0.start("send 50 65536 6");
         assert_eq!(
@@ -423,23 +440,18 @@ fn a_rail_down_fails_a_virtual_device_comm() {
     let c = Cluster::new(2, 2).expect("the cluster");
     for protocol in ["rdma", "sendrecv"] {
         let (mut a, mut b, _) = fused_pair(&c, protocol, &T.to_string(), "131072");
-        b.start("send 20 1048576 5");
-        a.start("recv 40 1048576 5");
-        assert_eq!(b.reply(), format!("ok {}", 20 << 20));
-        c.set_link(1, 1, false).expect("rail 1 down");
-        let down = Instant::now();
-        let r = a.reply_raw();
-        let took = down.elapsed();
-        println!(
-            "{protocol}: rail 1 of the virtual device down; its comm failed after {took:?}: {r}"
+        let r = rail_1_down_mid_receive(
+            &c,
+            &mut a,
+            &mut b,
+            1 << 20,
+            T,
+            protocol,
+            "the virtual device's comm",
         );
         assert!(
-            r.starts_with("error") && r.contains("rail 1") && r.contains("silent"),
-            "{protocol}: {r}"
-        );
-        assert!(
-            took < Duration::from_secs_f64(2.0 * T + 5.0),
-            "{protocol}: took {took:?}"
+            r.contains("rail 1"),
+            "{protocol}: the error names the rail: {r}"
         );
         c.set_link(1, 1, true).expect("rail 1 up");
         b.kill();
