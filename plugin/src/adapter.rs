@@ -319,24 +319,17 @@ impl VProps {
     }
 }
 
-macro_rules! vprops {
-    ($($m:ident :: $t:ident),*) => {$(
-        impl Conv<VProps> for *mut crate::$m::$t {
-            fn conv(self) -> VProps {
-                VProps {
-                    ptr: self.cast_const().cast(),
-                    cap: (std::mem::size_of::<crate::$m::$t>() - 4) / 4,
-                }
-            }
+/// Any version's `ncclNetVDeviceProps_vN_t*`: the capacity of `devs`
+/// follows from the struct's size (`{int ndevs; int devs[cap]}` in every
+/// version so far), so a new version's struct converts without code here.
+impl<T> Conv<VProps> for *mut T {
+    fn conv(self) -> VProps {
+        VProps {
+            ptr: self.cast_const().cast(),
+            cap: std::mem::size_of::<T>().saturating_sub(4) / 4,
         }
-    )*};
+    }
 }
-vprops!(
-    net_v9::ncclNetVDeviceProps_v9_t,
-    net_v10::ncclNetVDeviceProps_v10_t,
-    net_v11::ncclNetVDeviceProps_v11_t,
-    net_v12::ncclNetVDeviceProps_v12_t
-);
 
 /// `ncclNetCommConfig_vN_t` (v10+), the same in every version.
 #[repr(C)]
