@@ -9,6 +9,7 @@
 //! root (CI has it).
 
 use std::process::Command;
+use std::time::Instant;
 
 /// The hosts and switch of one test.
 #[derive(Debug)]
@@ -160,6 +161,54 @@ impl Cluster {
             .sum()
     }
 
+    /// Puts a faulty wire between host `h`'s rail `r` and the rest of the
+    /// rail: its switch port moves to a bridge of its own, joined to the
+    /// rail's bridge by `wire` (the `weft-wire` binary) through two tap
+    /// devices, which loses, delays and reorders frames as `faults` (its
+    /// options) say. The wire stops when the returned handle is dropped.
+    pub fn wire(&self, h: usize, r: usize, wire: &str, faults: &[&str]) -> Result<Wire, String> {
+        use std::io::BufRead;
+        let sw = self.switch();
+        let (port, br, ta, tb) = (
+            format!("h{h}r{r}"),
+            format!("w{h}r{r}"),
+            format!("ta{h}r{r}"),
+            format!("tb{h}r{r}"),
+        );
+        ip(&["-n", &sw, "link", "add", &br, "type", "bridge"])?;
+        for tap in [&ta, &tb] {
+            ip(&["-n", &sw, "tuntap", "add", "dev", tap, "mode", "tap"])?;
+        }
+        ip(&["-n", &sw, "link", "set", &port, "master", &br])?;
+        ip(&["-n", &sw, "link", "set", &tb, "master", &br])?;
+        ip(&["-n", &sw, "link", "set", &ta, "master", &format!("br{r}")])?;
+        for l in [&br, &ta, &tb] {
+            ip(&["-n", &sw, "link", "set", l, "up"])?;
+        }
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &sw, wire, &ta, &tb])
+            .args(faults)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("{wire}: {e}"))?;
+        let mut lines = std::io::BufReader::new(child.stdout.take().expect("piped")).lines();
+        match lines.next() {
+            Some(Ok(l)) if l == "ready" => {}
+            other => {
+                let _ = child.kill();
+                return Err(format!("{wire} did not start: {other:?}"));
+            }
+        }
+        let last = std::sync::Arc::new(std::sync::Mutex::new((Instant::now(), String::new())));
+        let keep = std::sync::Arc::clone(&last);
+        std::thread::spawn(move || {
+            for l in lines.map_while(Result::ok) {
+                *keep.lock().unwrap_or_else(|e| e.into_inner()) = (Instant::now(), l);
+            }
+        });
+        Ok(Wire { child, last })
+    }
+
     fn teardown(&self) {
         for h in 0..self.hosts {
             let _ = ip(&["netns", "del", &self.host(h)]);
@@ -170,6 +219,32 @@ impl Cluster {
     /// Rails per host.
     pub fn rails(&self) -> usize {
         self.rails
+    }
+}
+
+/// A faulty wire ([`Cluster::wire`]); stops when dropped.
+#[derive(Debug)]
+pub struct Wire {
+    child: std::process::Child,
+    last: std::sync::Arc<std::sync::Mutex<(Instant, String)>>,
+}
+
+impl Wire {
+    /// What the wire did until now: `relayed N lost N early N`, from the
+    /// first report it makes after this call (it reports every 100 ms).
+    pub fn counts(&self) -> String {
+        let asked = Instant::now();
+        crate::poll_until("the wire's report", || {
+            let (at, line) = &*self.last.lock().unwrap_or_else(|e| e.into_inner());
+            (*at > asked).then(|| line.clone())
+        })
+    }
+}
+
+impl Drop for Wire {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 

@@ -3,9 +3,10 @@
 //! them talking tcp over the rails. Needs root (CI has it); everything is
 //! torn down afterwards, also when a test fails.
 //!
-//! Not here (this kernel has no `sch_netem`, no tc actions, and no
-//! nftables/iptables): random loss, delay with jitter and reordering on the
-//! wire. Loss under congestion is here (a token bucket with a short queue).
+//! Faults on the wire: this kernel has no `sch_netem`, so loss, delay with
+//! jitter and reordering come from `weft-wire`, a userspace wire between
+//! tap devices ([`Cluster::wire`]); loss under congestion from a token
+//! bucket with a short queue (`tc ... tbf`).
 
 use std::time::{Duration, Instant};
 
@@ -14,6 +15,7 @@ use weft_tests::peer::Peer;
 
 const PEER: &str = env!("CARGO_BIN_EXE_weft-peer");
 const ALLTOALL: &str = env!("CARGO_BIN_EXE_weft-alltoall");
+const WIRE: &str = env!("CARGO_BIN_EXE_weft-wire");
 
 /// A `weft-peer` on host `h`, initialised over tcp on the interfaces
 /// `iface` keeps (`WEFT_IFACE`'s forms); its devices' names, in order.
@@ -138,6 +140,75 @@ fn a_congested_link_drops_packets_and_every_byte_arrives() {
         dropped > 0,
         "the shaped queue dropped nothing: no loss was tested"
     );
+}
+
+/// netem's faults from a userspace wire between host 1 and its rail:
+/// 1 % and 10 % loss, 10 ms ± 5 ms delay, and reordering (a quarter of the
+/// frames sent at once ahead of the rest, held 5 ms). Both protocols move
+/// their messages with every byte verified; throughput and what the wire
+/// did are printed.
+#[test]
+fn faults_on_the_wire_and_every_byte_arrives() {
+    let cases: [(&str, &[&str], u64); 4] = [
+        ("1 % loss", &["--loss", "0.01"], 16),
+        ("10 % loss", &["--loss", "0.10"], 4),
+        (
+            "10 ms ± 5 ms delay",
+            &["--delay", "10", "--jitter", "5"],
+            16,
+        ),
+        (
+            "reordering (25 % early, others 5 ms)",
+            &["--reorder", "0.25", "--delay", "5"],
+            16,
+        ),
+    ];
+    for (what, faults, count) in cases {
+        let c = Cluster::new(2, 1).expect("the cluster");
+        let w = c.wire(1, 0, WIRE, faults).expect("the wire");
+        for protocol in ["rdma", "sendrecv"] {
+            let mut a = peer_on(&c, 0, protocol, "30");
+            let mut b = peer_on(&c, 1, protocol, "30");
+            connect(&mut a, &mut b);
+            let size = 256usize << 10;
+            let bytes = count * size as u64;
+            let t = Instant::now();
+            b.start(&format!("send {count} {size} 5"));
+            let got = a.cmd(&format!("recv {count} {size} 5"));
+            assert_eq!(b.reply(), format!("ok {bytes}"), "{what}, {protocol}");
+            assert_eq!(
+                got,
+                format!("ok {bytes}"),
+                "{what}, {protocol}: every byte verified"
+            );
+            println!(
+                "{what}, {protocol}: {count} x 256 KiB verified, {:.2} MB/s; wire: {}",
+                bytes as f64 / t.elapsed().as_secs_f64() / 1e6,
+                w.counts()
+            );
+            a.quit();
+            b.quit();
+        }
+        let counts = w.counts();
+        let n = |k: &str| -> u64 {
+            counts
+                .split(' ')
+                .skip_while(|x| *x != k)
+                .nth(1)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        assert!(
+            n("relayed") > 0,
+            "{what}: the wire carried nothing: {counts}"
+        );
+        if faults[0] == "--loss" {
+            assert!(n("lost") > 0, "{what}: nothing was lost: {counts}");
+        }
+        if faults[0] == "--reorder" {
+            assert!(n("early") > 0, "{what}: nothing was reordered: {counts}");
+        }
+    }
 }
 
 /// A host whose link goes down (its switch port, as a pulled cable): the
