@@ -56,6 +56,11 @@ use crate::mr::Region;
 
 /// Bytes of a message header.
 pub const HEADER_LEN: usize = 24;
+/// A header slot: a header and, for a message of at most [`INLINE_MAX`]
+/// bytes between host-memory devices, the message itself.
+pub const SLOT: usize = 4096;
+/// The largest message that travels inside its header.
+pub const INLINE_MAX: usize = SLOT - HEADER_LEN;
 const HEADER_MAGIC: u32 = 0x5746_5348; // "WFSH"
 /// Stripes are multiples of this (whole pages on either side).
 pub const STRIPE_ALIGN: usize = 4096;
@@ -108,6 +113,8 @@ pub struct Header {
     pub size: u64,
     /// The rail its first part goes over.
     pub first: u8,
+    /// The message follows the header in the same message (no parts).
+    pub inline: bool,
 }
 
 impl Header {
@@ -118,15 +125,17 @@ impl Header {
         b[4..8].copy_from_slice(&self.number.to_le_bytes());
         b[8..16].copy_from_slice(&self.size.to_le_bytes());
         b[16] = self.first;
+        b[17] = u8::from(self.inline);
         b
     }
 
     /// Reads and checks the header of message `number` on a comm of `rails`
-    /// rails; `Err` says what is wrong with it.
+    /// rails from the bytes that arrived (the header, and an inline
+    /// message's bytes after it); `Err` says what is wrong with it.
     pub fn decode(b: &[u8], number: u32, rails: usize) -> std::result::Result<Self, String> {
-        if b.len() != HEADER_LEN {
+        if b.len() < HEADER_LEN {
             return Err(format!(
-                "a message header of {} bytes (expected {HEADER_LEN})",
+                "a message header of {} bytes (at least {HEADER_LEN})",
                 b.len()
             ));
         }
@@ -140,6 +149,7 @@ impl Header {
             number: u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")),
             size: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
             first: b[16],
+            inline: b[17] == 1,
         };
         if h.number != number {
             return Err(format!(
@@ -147,10 +157,19 @@ impl Header {
                 h.number
             ));
         }
-        if usize::from(h.first) >= rails || b[17..].iter().any(|&x| x != 0) {
+        if usize::from(h.first) >= rails || b[17] > 1 || b[18..HEADER_LEN].iter().any(|&x| x != 0) {
             return Err(format!(
                 "a message header naming rail {} of {rails}, or with stray bytes",
                 h.first
+            ));
+        }
+        let body = if h.inline { h.size } else { 0 };
+        if (b.len() - HEADER_LEN) as u64 != body {
+            return Err(format!(
+                "a message header of a {}{}-byte message followed by {} bytes",
+                if h.inline { "inline " } else { "" },
+                h.size,
+                b.len() - HEADER_LEN
             ));
         }
         Ok(h)
@@ -168,7 +187,7 @@ struct Headers {
 
 impl Headers {
     fn new(dev: &Arc<DeviceState>) -> Result<Self> {
-        let buf = vec![0u8; MAX_REQUESTS * HEADER_LEN].into_boxed_slice();
+        let buf = vec![0u8; MAX_REQUESTS * SLOT].into_boxed_slice();
         // SAFETY: `buf` is this struct's; the registration is released in
         // Drop, before the buffer is freed.
         let region = unsafe { dev.mr.register(buf.as_ptr() as usize, buf.len()) }
@@ -188,13 +207,13 @@ impl Headers {
     }
 
     fn slot(&mut self, slot: u32) -> *mut u8 {
-        let at = slot as usize * HEADER_LEN;
-        self.buf[at..at + HEADER_LEN].as_mut_ptr()
+        let at = slot as usize * SLOT;
+        self.buf[at..at + SLOT].as_mut_ptr()
     }
 
     fn read(&self, slot: u32) -> &[u8] {
-        let at = slot as usize * HEADER_LEN;
-        &self.buf[at..at + HEADER_LEN]
+        let at = slot as usize * SLOT;
+        &self.buf[at..at + SLOT]
     }
 }
 
@@ -472,6 +491,8 @@ impl<C: Comm + ?Sized, R: Copy, X> Striped<C, R, X> {
 pub struct SReq {
     data: usize,
     size: usize,
+    /// The header message's length (with an inline message).
+    head: usize,
     tag: i32,
     mems: [Mem; MAX_RAILS],
     members: Members,
@@ -499,7 +520,7 @@ impl StripedSend {
                 let (ptr, len, mem) = match post.part {
                     None => (
                         st.headers.slot(post.slot).cast_const(),
-                        HEADER_LEN,
+                        req.head,
                         st.headers.mem,
                     ),
                     Some(p) => ((req.data + p.off) as *const u8, p.len, req.mems[r]),
@@ -556,12 +577,19 @@ impl Sender for StripedSend {
     ) -> Result<Option<ReqId>> {
         let n = self.rails.len();
         let progress = |st: &mut SendState| self.progress(st);
+        // No CPU touches GPU data: only host-memory devices inline.
+        let inline = size <= INLINE_MAX && !self.devs.iter().any(|d| d.cuda);
         self.post_with("isend", mem, tag, progress, |st, number, mems| {
             let first = st.x;
-            let parts = layout(size, n, first, self.stripe);
+            let parts = if inline {
+                Vec::new()
+            } else {
+                layout(size, n, first, self.stripe)
+            };
             let req = SReq {
                 data: data as usize,
                 size,
+                head: HEADER_LEN + if inline { size } else { 0 },
                 tag,
                 mems,
                 members: Members {
@@ -570,16 +598,25 @@ impl Sender for StripedSend {
                 },
             };
             let (_, slot) = st.reqs.insert(req)?;
-            st.x = (first + 1) % n;
+            if !inline {
+                st.x = (first + 1) % n;
+            }
             let header = Header {
                 number,
                 size: size as u64,
                 first: first as u8,
+                inline,
             }
             .encode();
-            // SAFETY: the slot is HEADER_LEN bytes of this comm's headers.
+            let at = st.headers.slot(slot);
+            // SAFETY: the slot is SLOT bytes of this comm's headers; an
+            // inline message (at most INLINE_MAX bytes, host memory) is
+            // readable by the caller's contract.
             unsafe {
-                std::ptr::copy_nonoverlapping(header.as_ptr(), st.headers.slot(slot), HEADER_LEN)
+                std::ptr::copy_nonoverlapping(header.as_ptr(), at, HEADER_LEN);
+                if inline {
+                    std::ptr::copy_nonoverlapping(data, at.add(HEADER_LEN), size);
+                }
             };
             st.queues[0].push_back(Post { slot, part: None });
             for p in parts {
@@ -654,7 +691,7 @@ impl StripedRecv {
                 let buf = match post.part {
                     None => RecvBuf {
                         data: st.headers.slot(post.slot),
-                        size: HEADER_LEN,
+                        size: SLOT,
                         tag: req.tag,
                         mem: &header_mem,
                         phandle: std::ptr::null_mut(),
@@ -702,20 +739,44 @@ impl StripedRecv {
             let Some(d) = self.rails[0].test(hid).map_err(|e| e.context("rail 0"))? else {
                 continue;
             };
-            let got = &st.headers.read(slot)[..d.sizes[0].min(HEADER_LEN)];
-            let h = Header::decode(got, req.number, n).map_err(|why| {
+            let got = &st.headers.read(slot)[..d.sizes[0].min(SLOT)];
+            let bad = |why: String| {
                 Error::remote(format!(
                     "virtual device comm from {}: tag {}: {why}; the peer is not a matching Weft, or the stream is corrupted",
                     peer_names(&self.rails),
                     req.tag
                 ))
-            })?;
+            };
+            let h = Header::decode(got, req.number, n).map_err(bad)?;
             let size = usize::try_from(h.size).unwrap_or(usize::MAX);
-            let parts = layout(size, n, usize::from(h.first), self.stripe);
+            let parts = if h.inline {
+                if self.devs.iter().any(|d| d.cuda) {
+                    return Err(bad(
+                        "an inline message for a device that takes GPU memory (no CPU copies there): the two hosts' devices differ".into(),
+                    ));
+                }
+                if size <= req.cap {
+                    // SAFETY: NCCL's buffer holds `cap` >= `size` bytes and
+                    // is host memory (no rail takes GPU memory).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            got[HEADER_LEN..].as_ptr(),
+                            req.data as *mut u8,
+                            size,
+                        )
+                    };
+                }
+                Vec::new()
+            } else {
+                layout(size, n, usize::from(h.first), self.stripe)
+            };
             if let Some(q) = st.reqs.get_mut(slot) {
                 q.stage = Stage::Parts;
                 q.size = size;
                 q.members.unposted = parts.len() as u8;
+                if h.inline {
+                    q.members.bytes = size;
+                }
             }
             for p in parts {
                 st.queues[p.rail].push_back(Post {
@@ -947,6 +1008,7 @@ mod tests {
             number: 7,
             size: 1 << 33,
             first: 1,
+            inline: false,
         };
         let b = h.encode();
         assert_eq!(Header::decode(&b, 7, 2), Ok(h));
@@ -963,5 +1025,30 @@ mod tests {
         let mut bad = b;
         bad[20] = 1;
         assert!(Header::decode(&bad, 7, 2).unwrap_err().contains("stray"));
+        let mut bad = b;
+        bad[17] = 2;
+        assert!(Header::decode(&bad, 7, 2).unwrap_err().contains("stray"));
+        // A header with bytes after it that it does not announce.
+        let mut long = b.to_vec();
+        long.extend_from_slice(&[1, 2, 3]);
+        assert!(Header::decode(&long, 7, 2)
+            .unwrap_err()
+            .contains("followed by 3 bytes"));
+    }
+
+    #[test]
+    fn inline_headers_carry_exactly_their_message() {
+        let h = Header {
+            number: 0,
+            size: 5,
+            first: 0,
+            inline: true,
+        };
+        let mut b = h.encode().to_vec();
+        b.extend_from_slice(b"hello");
+        assert_eq!(Header::decode(&b, 0, 2), Ok(h));
+        assert!(Header::decode(&b[..HEADER_LEN + 4], 0, 2)
+            .unwrap_err()
+            .contains("inline 5-byte message followed by 4 bytes"));
     }
 }

@@ -3,8 +3,12 @@
 //! ```text
 //! weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick]
 //!            [--sizes 8,64,...] [--impls raw,rma,weft] [--raw-split] [--out DIR]
-//!            [--micro | --micro-only] [--no-plot]
+//!            [--micro | --micro-only] [--no-plot] [--vdev]
 //! ```
+//!
+//! `--vdev`: Weft's comms run on a virtual device of device 0 alone
+//! (`makeVDevice`, v9+), so the figures show what the striping layer
+//! (headers, one more one-way latency) costs on one rail.
 //!
 //! For each provider a client process and a server process are started (the
 //! provider is fixed per process). Both open (a) a raw libfabric RDM endpoint
@@ -453,10 +457,20 @@ fn connect(
     let net = emu::net(lib, version);
     let (mut ctx, mut l) = (std::ptr::null_mut(), std::ptr::null_mut());
     let mut h = [0u8; 128];
+    let mut dev = 0;
     // SAFETY: NCCL's calling convention throughout.
     unsafe {
         rc("init", net.init(&mut ctx))?;
-        rc("listen", net.listen(ctx, 0, h.as_mut_ptr().cast(), &mut l))?;
+        if std::env::var_os("WEFT_BENCH_VDEV").is_some() {
+            dev = match net.make_vdevice(1, &[0]) {
+                Some((0, d)) => d,
+                other => return Err(format!("makeVDevice({{1, [0]}}): {other:?} (needs v9+)")),
+            };
+        }
+        rc(
+            "listen",
+            net.listen(ctx, dev, h.as_mut_ptr().cast(), &mut l),
+        )?;
     }
     // hello <sending endpoint> <Weft handle> <receiving endpoint>
     let me = raw.ep.name().map_err(|e| e.to_string())?;
@@ -491,7 +505,7 @@ fn connect(
             if s.is_null() {
                 rc(
                     "connect",
-                    net.connect(ctx, 0, ph.as_mut_ptr().cast(), &mut s, true),
+                    net.connect(ctx, dev, ph.as_mut_ptr().cast(), &mut s, true),
                 )?;
             }
             if r.is_null() {
@@ -1279,8 +1293,10 @@ fn run() -> Res<()> {
                 plot_too = false;
             }
             "--no-plot" => plot_too = false,
+            // Read by both processes (the server inherits it).
+            "--vdev" => std::env::set_var("WEFT_BENCH_VDEV", "1"),
             "-h" | "--help" => {
-                println!("usage: weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick] [--sizes 8,64,...] [--impls raw,rma,weft] [--raw-split] [--out DIR] [--micro | --micro-only] [--no-plot]");
+                println!("usage: weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick] [--sizes 8,64,...] [--impls raw,rma,weft] [--raw-split] [--out DIR] [--micro | --micro-only] [--no-plot] [--vdev]");
                 return Ok(());
             }
             other => return Err(format!("unknown argument {other:?}; try --help")),
