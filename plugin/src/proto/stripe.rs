@@ -21,9 +21,14 @@
 //! all its parts are; `test` reports the bytes the parts brought, which
 //! must add up to the header's size.
 //!
+//! A message of at most [`INLINE_MAX`] bytes between devices that take host
+//! memory only travels inside its header (a header slot is [`SLOT`] bytes)
+//! and has no parts: one message, as on a physical device. Devices that take
+//! GPU memory never inline (no CPU copy touches GPU data).
+//!
 //! What this costs: the header, and, on the receiving side, the wait for it
 //! before a message's parts are offered (RDMA) or matched (tagged): about
-//! one extra one-way latency per message.
+//! one extra one-way latency per message with parts (docs/perf/vdev.txt).
 //!
 //! **Errors.** A header that is short, not Weft's, out of order or names a
 //! rail that does not exist breaks the comm with a message saying so. A
