@@ -1,7 +1,7 @@
 //! Virtual devices in one process: `makeVDevice` through the core, and
 //! comms on a virtual device of one rail over shm and tcp (every part of
 //! the striping protocol but the second rail; two rails between hosts are
-//! in tests/tests/cluster.rs).
+//! in tests/tests/cluster.rs), truncation, and forged headers.
 
 use weft::core;
 use weft::proto::stripe::INLINE_MAX;
@@ -118,4 +118,70 @@ fn one_rail_tcp_rdma() {
 #[test]
 fn one_rail_tcp_sendrecv() {
     one_rail("tcp", "sendrecv");
+}
+
+/// A peer that is not a virtual device's sender (a plain comm connected to
+/// rail 0's listener, as a forged or mismatched peer would be) sends what
+/// is not a header: the receive fails saying so, nothing lands in NCCL's
+/// buffer, and the comm stays failed.
+fn forged_header(protocol: &str, junk: &[u8]) {
+    use weft::proto::wire::{decode_any, HANDLE_SIZE};
+    std::env::set_var("WEFT_PROTOCOL", protocol);
+    let ctx = host::init("shm");
+    let nd = core::devices().unwrap() as i32;
+    let v = core::make_vdevice(&[0], 4).expect("makeVDevice");
+    assert_eq!(v, nd);
+    let (h, l) = host::listen_on(ctx, v);
+    let (rails, striped) = decode_any(&h).expect("a rails handle");
+    assert!(striped);
+    let mut plain = [0u8; HANDLE_SIZE];
+    rails[0].encode(&mut plain).unwrap();
+    let (s, r) = host::connect_pair_on(ctx, 0, &mut plain, l);
+    core::close_listen(l).unwrap();
+    let mut dst = vec![0x5Au8; 4096];
+    let (smh, rmh) = (host::reg(s, junk), host::reg(r, &dst));
+    let rq = host::irecv(r, &mut [&mut dst[..]], &[3], &[rmh]);
+    let sq = host::isend(s, junk, 3, smh);
+    let got = weft_tests::poll_until("the forged header's receive", || {
+        let _ = core::test(sq);
+        match core::test(rq) {
+            Ok(None) => None,
+            other => Some(other),
+        }
+    });
+    let err = got.expect_err("a forged header fails the receive");
+    assert!(
+        err.msg.contains("virtual device comm") && err.msg.contains("header"),
+        "{err}"
+    );
+    assert!(
+        dst.iter().all(|&b| b == 0x5A),
+        "nothing lands in the buffer"
+    );
+    let again = host::irecv_raw(
+        r,
+        &[core::RecvArg {
+            data: dst.as_mut_ptr().cast(),
+            size: 64,
+            tag: 4,
+            mhandle: rmh,
+            phandle: std::ptr::null_mut(),
+        }],
+    );
+    assert!(again.is_err(), "the comm stays failed");
+    println!("{protocol}, {} forged bytes: {err}", junk.len());
+    core::dereg_mr(s, smh).unwrap();
+    core::dereg_mr(r, rmh).unwrap();
+    host::close_pair(s, r);
+    core::finalize(ctx).unwrap();
+}
+
+#[test]
+fn forged_header_rdma() {
+    forged_header("rdma", &[0xAB; 24]);
+}
+
+#[test]
+fn short_header_sendrecv() {
+    forged_header("sendrecv", &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
 }
