@@ -60,6 +60,19 @@ fn tx_bytes(c: &Cluster, h: usize, r: usize) -> u64 {
         .expect("a byte count")
 }
 
+/// Host 1 (`b`) sends host 0 (`a`) `count` messages of `size` bytes with
+/// `tag`, and `a` verifies every byte (`what` names the case in a failure);
+/// returns MB/s.
+fn verified(a: &mut Peer, b: &mut Peer, count: u64, size: usize, tag: i32, what: &str) -> f64 {
+    let bytes = count * size as u64;
+    let t = Instant::now();
+    b.start(&format!("send {count} {size} {tag}"));
+    let got = a.cmd(&format!("recv {count} {size} {tag}"));
+    assert_eq!(b.reply(), format!("ok {bytes}"), "{what}: the sender");
+    assert_eq!(got, format!("ok {bytes}"), "{what}: every byte verified");
+    bytes as f64 / t.elapsed().as_secs_f64() / 1e6
+}
+
 /// Host 1 connects to host 0 over the rail (each `connect`, `accept` in
 /// its own process, as NCCL's ranks do).
 fn connect(a: &mut Peer, b: &mut Peer) {
@@ -83,19 +96,9 @@ fn tcp_between_two_hosts() {
         let mut b = peer_on(&c, 1, protocol, "30");
         connect(&mut a, &mut b);
         for (count, size) in [(100u64, 1usize), (200, 65536), (16, 4 << 20)] {
-            let t = Instant::now();
-            b.start(&format!("send {count} {size} 5"));
-            let got = a.cmd(&format!("recv {count} {size} 5"));
-            assert_eq!(b.reply(), format!("ok {}", count * size as u64));
-            assert_eq!(
-                got,
-                format!("ok {}", count * size as u64),
-                "{protocol}: every byte verified"
-            );
-            let secs = t.elapsed().as_secs_f64();
+            let mbs = verified(&mut a, &mut b, count, size, 5, protocol);
             println!(
-                "{protocol}: host 1 -> host 0 over r0: {count} x {size} B verified, {:.1} MB/s",
-                (count * size as u64) as f64 / secs / 1e6
+                "{protocol}: host 1 -> host 0 over r0: {count} x {size} B verified, {mbs:.1} MB/s"
             );
         }
         a.quit();
@@ -117,21 +120,11 @@ fn a_congested_link_drops_packets_and_every_byte_arrives() {
         let mut b = peer_on(&c, 1, protocol, "30");
         connect(&mut a, &mut b);
         let before = c.drops(1, 0).expect("drops");
-        let (count, size) = (32u64, 1usize << 20);
-        let t = Instant::now();
-        b.start(&format!("send {count} {size} 5"));
-        let got = a.cmd(&format!("recv {count} {size} 5"));
-        assert_eq!(b.reply(), format!("ok {}", count * size as u64));
-        assert_eq!(
-            got,
-            format!("ok {}", count * size as u64),
-            "{protocol}: every byte verified"
-        );
+        let mbs = verified(&mut a, &mut b, 32, 1 << 20, 5, protocol);
         let drops = c.drops(1, 0).expect("drops") - before;
         dropped += drops;
         println!(
-            "{protocol}: 32 MiB verified over a 200 Mbit/s link with a 24 KB queue: {:.1} MB/s, {drops} packets dropped by the queue",
-            (count * size as u64) as f64 / t.elapsed().as_secs_f64() / 1e6
+            "{protocol}: 32 MiB verified over a 200 Mbit/s link with a 24 KB queue: {mbs:.1} MB/s, {drops} packets dropped by the queue"
         );
         a.quit();
         b.quit();
@@ -170,20 +163,16 @@ fn faults_on_the_wire_and_every_byte_arrives() {
             let mut a = peer_on(&c, 0, protocol, "30");
             let mut b = peer_on(&c, 1, protocol, "30");
             connect(&mut a, &mut b);
-            let size = 256usize << 10;
-            let bytes = count * size as u64;
-            let t = Instant::now();
-            b.start(&format!("send {count} {size} 5"));
-            let got = a.cmd(&format!("recv {count} {size} 5"));
-            assert_eq!(b.reply(), format!("ok {bytes}"), "{what}, {protocol}");
-            assert_eq!(
-                got,
-                format!("ok {bytes}"),
-                "{what}, {protocol}: every byte verified"
+            let mbs = verified(
+                &mut a,
+                &mut b,
+                count,
+                256 << 10,
+                5,
+                &format!("{what}, {protocol}"),
             );
             println!(
-                "{what}, {protocol}: {count} x 256 KiB verified, {:.2} MB/s; wire: {}",
-                bytes as f64 / t.elapsed().as_secs_f64() / 1e6,
+                "{what}, {protocol}: {count} x 256 KiB verified, {mbs:.2} MB/s; wire: {}",
                 w.counts()
             );
             a.quit();
@@ -338,12 +327,7 @@ fn two_rails_are_two_devices() {
             let before = [tx_bytes(&c, 1, 0), tx_bytes(&c, 1, 1)];
             let (count, size) = (64u64, 1usize << 20);
             let bytes = count * size as u64;
-            b.start(&format!("send {count} {size} 9"));
-            assert_eq!(
-                a.cmd(&format!("recv {count} {size} 9")),
-                format!("ok {bytes}")
-            );
-            assert_eq!(b.reply(), format!("ok {bytes}"));
+            verified(&mut a, &mut b, count, size, 9, protocol);
             let after = [tx_bytes(&c, 1, 0), tx_bytes(&c, 1, 1)];
             let sent = [after[0] - before[0], after[1] - before[1]];
             println!(
@@ -475,20 +459,11 @@ fn a_virtual_device_stripes_over_two_rails() {
         ] {
             let bytes = count * size as u64;
             let before = [tx_bytes(&c, 1, 0), tx_bytes(&c, 1, 1)];
-            let t = Instant::now();
-            b.start(&format!("send {count} {size} 9"));
-            assert_eq!(
-                a.cmd(&format!("recv {count} {size} 9")),
-                format!("ok {bytes}"),
-                "{protocol}: every byte verified"
-            );
-            assert_eq!(b.reply(), format!("ok {bytes}"));
-            let secs = t.elapsed().as_secs_f64();
+            let mbs = verified(&mut a, &mut b, count, size, 9, protocol);
             let after = [tx_bytes(&c, 1, 0), tx_bytes(&c, 1, 1)];
             let sent = [after[0] - before[0], after[1] - before[1]];
             println!(
-                "{protocol}: {count} x {size} B ({what}) verified on virtual device {v} (r0+r1), {:.1} MB/s; host 1 sent {} bytes on r0, {} on r1",
-                bytes as f64 / secs / 1e6,
+                "{protocol}: {count} x {size} B ({what}) verified on virtual device {v} (r0+r1), {mbs:.1} MB/s; host 1 sent {} bytes on r0, {} on r1",
                 sent[0],
                 sent[1]
             );
