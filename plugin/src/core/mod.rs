@@ -674,6 +674,8 @@ pub fn reg_mr(
     if data.is_null() {
         return Err(Error::internal("regMr: NULL address"));
     }
+    // A virtual device takes GPU memory only if every rail does: the rail
+    // that decides (and that an error names) is the first that does not.
     let d = rails.iter().find(|r| !r.cuda).unwrap_or(&rails[0]);
     let kind = match ptr_type {
         props::PTR_HOST => MemKind::Host,
@@ -849,12 +851,14 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
     let (serial, r) = REG.recv.get_with_serial(comm).ok_or_else(|| {
         Error::internal(format!("irecv: {comm:p} is not a live Weft receive comm"))
     })?;
-    let handles = args
-        .iter()
-        .map(|a| desc_for(a.mhandle, r.dev, a.data.cast(), a.size, "irecv"))
-        .collect::<Result<Vec<_>>>()?;
+    // No allocation on the data path: the handles live in a fixed array
+    // while the buffers borrow their registrations.
+    let mut handles: [Option<Arc<MrHandle>>; props::MAX_RECVS] = Default::default();
+    for (h, a) in handles.iter_mut().zip(args) {
+        *h = Some(desc_for(a.mhandle, r.dev, a.data.cast(), a.size, "irecv")?);
+    }
     let mut bufs = [RecvBuf::EMPTY; props::MAX_RECVS];
-    for ((b, a), h) in bufs.iter_mut().zip(args).zip(&handles) {
+    for ((b, a), h) in bufs.iter_mut().zip(args).zip(handles.iter().flatten()) {
         *b = RecvBuf {
             data: a.data.cast(),
             size: a.size,

@@ -81,32 +81,54 @@ pub struct Part {
     pub len: usize,
 }
 
-/// How a message of `size` bytes goes over `rails` rails: one part on rail
-/// `first` below `stripe` bytes (or on one rail), else one part per rail in
-/// [`STRIPE_ALIGN`]-aligned slices of equal size (the last may be shorter;
-/// a rail whose slice would start past the end gets none), starting with
-/// rail `first`. Parts are in message order and cover it exactly.
-pub fn layout(size: usize, rails: usize, first: usize, stripe: usize) -> Vec<Part> {
-    let rails = rails.max(1);
+/// A message's parts, at most one per rail, in message order (a fixed
+/// array: cutting a message allocates nothing).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Parts {
+    n: usize,
+    p: [Part; MAX_RAILS],
+}
+
+impl std::ops::Deref for Parts {
+    type Target = [Part];
+    fn deref(&self) -> &[Part] {
+        &self.p[..self.n]
+    }
+}
+
+/// How a message of `size` bytes goes over `rails` rails (at most
+/// [`MAX_RAILS`]): one part on rail `first` below `stripe` bytes (or on one
+/// rail), else one part per rail in [`STRIPE_ALIGN`]-aligned slices of
+/// equal size (the last may be shorter; a rail whose slice would start past
+/// the end gets none), starting with rail `first`. Parts are in message
+/// order and cover it exactly.
+pub fn layout(size: usize, rails: usize, first: usize, stripe: usize) -> Parts {
+    let rails = rails.clamp(1, MAX_RAILS);
     let first = first % rails;
+    let mut parts = Parts::default();
     if rails == 1 || size < stripe.max(1) {
-        return vec![Part {
+        parts.p[0] = Part {
             rail: first,
             off: 0,
             len: size,
-        }];
+        };
+        parts.n = 1;
+        return parts;
     }
     let slice = size.div_ceil(rails).next_multiple_of(STRIPE_ALIGN);
-    (0..rails)
-        .map(|i| i * slice)
-        .take_while(|&off| off < size)
-        .enumerate()
-        .map(|(i, off)| Part {
+    for i in 0..rails {
+        let off = i * slice;
+        if off >= size {
+            break;
+        }
+        parts.p[i] = Part {
             rail: (first + i) % rails,
             off,
             len: slice.min(size - off),
-        })
-        .collect()
+        };
+        parts.n = i + 1;
+    }
+    parts
 }
 
 /// A message header.
@@ -587,7 +609,7 @@ impl Sender for StripedSend {
         self.post_with("isend", mem, tag, progress, |st, number, mems| {
             let first = st.x;
             let parts = if inline {
-                Vec::new()
+                Parts::default()
             } else {
                 layout(size, n, first, self.stripe)
             };
@@ -624,7 +646,7 @@ impl Sender for StripedSend {
                 }
             };
             st.queues[0].push_back(Post { slot, part: None });
-            for p in parts {
+            for &p in parts.iter() {
                 st.queues[p.rail].push_back(Post {
                     slot,
                     part: Some(p),
@@ -733,8 +755,10 @@ impl StripedRecv {
     fn headers(&self, st: &mut RecvState) -> Result<bool> {
         let n = self.rails.len();
         let mut moved = false;
-        let fronts: Vec<u32> = st.x.values().filter_map(|q| q.front().copied()).collect();
-        for slot in fronts {
+        // A receive waits in Stage::Header exactly while it is the first of
+        // its tag: the requests are few (MAX_REQUESTS), so look at each
+        // rather than gather the tags' fronts (no allocation per test).
+        for slot in 0..MAX_REQUESTS as u32 {
             let Some(&req) = st.reqs.get(slot) else {
                 continue;
             };
@@ -771,7 +795,7 @@ impl StripedRecv {
                         )
                     };
                 }
-                Vec::new()
+                Parts::default()
             } else {
                 layout(size, n, usize::from(h.first), self.stripe)
             };
@@ -783,7 +807,7 @@ impl StripedRecv {
                     q.members.bytes = size;
                 }
             }
-            for p in parts {
+            for &p in parts.iter() {
                 st.queues[p.rail].push_back(Post {
                     slot,
                     part: Some(p),
@@ -964,7 +988,7 @@ mod tests {
         for first in 0..4 {
             let p = layout(1000, 2, first, 65536);
             assert_eq!(
-                p,
+                *p,
                 [Part {
                     rail: first % 2,
                     off: 0,
