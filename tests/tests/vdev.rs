@@ -47,6 +47,21 @@ fn one_rail(provider: &str, protocol: &str) {
     core::finalize(ctx).unwrap();
 }
 
+/// A receive comm that failed takes no new receive.
+fn stays_failed(r: *mut std::ffi::c_void, dst: &mut [u8], rmh: *mut std::ffi::c_void) {
+    let again = host::irecv_raw(
+        r,
+        &[core::RecvArg {
+            data: dst.as_mut_ptr().cast(),
+            size: 64,
+            tag: 12,
+            mhandle: rmh,
+            phandle: std::ptr::null_mut(),
+        }],
+    );
+    assert!(again.is_err(), "the comm stays failed");
+}
+
 /// `len` bytes into a receive of `cap`: the receive fails saying so (rdma,
 /// striped: the send too), nothing lands past the buffer, and the comm
 /// stays failed. (Over shm the provider spins on a truncated tagged receive
@@ -85,17 +100,7 @@ fn truncated(s: *mut std::ffi::c_void, r: *mut std::ffi::c_void, len: usize, cap
         dst[cap..].iter().all(|&b| b == 0x5A),
         "written past the buffer"
     );
-    let again = host::irecv_raw(
-        r,
-        &[core::RecvArg {
-            data: dst.as_mut_ptr().cast(),
-            size: 64,
-            tag: 12,
-            mhandle: rmh,
-            phandle: std::ptr::null_mut(),
-        }],
-    );
-    assert!(again.is_err(), "the comm stays failed");
+    stays_failed(r, &mut dst, rmh);
     core::dereg_mr(s, smh).unwrap();
     core::dereg_mr(r, rmh).unwrap();
 }
@@ -158,17 +163,7 @@ fn forged_header(protocol: &str, junk: &[u8]) {
         dst.iter().all(|&b| b == 0x5A),
         "nothing lands in the buffer"
     );
-    let again = host::irecv_raw(
-        r,
-        &[core::RecvArg {
-            data: dst.as_mut_ptr().cast(),
-            size: 64,
-            tag: 4,
-            mhandle: rmh,
-            phandle: std::ptr::null_mut(),
-        }],
-    );
-    assert!(again.is_err(), "the comm stays failed");
+    stays_failed(r, &mut dst, rmh);
     println!("{protocol}, {} forged bytes: {err}", junk.len());
     core::dereg_mr(s, smh).unwrap();
     core::dereg_mr(r, rmh).unwrap();
