@@ -51,6 +51,24 @@ fn bad(what: &'static str, why: impl Into<String>) -> Malformed {
 fn u16_at(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes(b[at..at + 2].try_into().expect("2 bytes"))
 }
+/// Checks what every message starts with: exactly `len` bytes, `magic`
+/// first (`bad_magic` says what a wrong one means).
+fn framed(
+    b: &[u8],
+    what: &'static str,
+    len: usize,
+    magic: u32,
+    bad_magic: &str,
+) -> Result<(), Malformed> {
+    if b.len() != len {
+        return Err(bad(what, format!("{} bytes, not {len}", b.len())));
+    }
+    if u32_at(b, 0) != magic {
+        return Err(bad(what, bad_magic));
+    }
+    Ok(())
+}
+
 fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
 }
@@ -91,12 +109,13 @@ impl Join {
 
     pub fn decode(b: &[u8]) -> Result<Self, Malformed> {
         const W: &str = "join";
-        if b.len() != Self::LEN {
-            return Err(bad(W, format!("{} bytes, not {}", b.len(), Self::LEN)));
-        }
-        if u32_at(b, 0) != JOIN_MAGIC {
-            return Err(bad(W, "bad magic (not a Weft CollNet rank?)"));
-        }
+        framed(
+            b,
+            W,
+            Self::LEN,
+            JOIN_MAGIC,
+            "bad magic (not a Weft CollNet rank?)",
+        )?;
         if u16_at(b, 4) != VERSION {
             return Err(bad(
                 W,
@@ -161,12 +180,7 @@ impl Header {
 
     pub fn decode(b: &[u8]) -> Result<Self, Malformed> {
         const W: &str = "all-reduce header";
-        if b.len() != Self::LEN {
-            return Err(bad(W, format!("{} bytes, not {}", b.len(), Self::LEN)));
-        }
-        if u32_at(b, 0) != HEADER_MAGIC {
-            return Err(bad(W, "bad magic"));
-        }
+        framed(b, W, Self::LEN, HEADER_MAGIC, "bad magic")?;
         let ty = DataType::from_nccl(i32::from(b[8]))
             .ok_or_else(|| bad(W, format!("unknown data type {}", b[8])))?;
         let op = RedOp::from_nccl(i32::from(b[9]))
