@@ -32,14 +32,14 @@ pub const TEST_PARAMS: &[Param] = &[
     Param {
         name: "WEFT_TEST_NCCL_HEADERS",
         default: "set by ./weft test; else target/nccl-headers",
-        accepted: "directory with 2.18.3/ and 2.23.4/ include files",
-        meaning: "NCCL's real headers for the codegen check of v5..v8",
+        accepted: "directory with 2.18.3/ and 2.23.4/ (include files; 2.23.4's libnccl.so.2) and cuobjdump/",
+        meaning: "NCCL's real headers for the codegen check of v5..v8; NCCL's library and cuobjdump for the GPU-check pruning test",
     },
     Param {
         name: "WEFT_TEST_OFFLINE",
         default: "unset",
         accepted: "`1`",
-        meaning: "without PyPI access: the codegen check against NCCL's wheels says it did not run instead of failing",
+        meaning: "without PyPI access: the codegen check against NCCL's wheels and the GPU-check pruning test say they did not run instead of failing",
     },
     Param {
         name: "WEFT_TEST_ISOLATED",

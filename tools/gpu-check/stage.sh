@@ -4,8 +4,13 @@
 # newest, or WEFT_GPU_CHECK_NCCL="x.y.z ..."), the CUDA runtime from its
 # wheel (its headers with the nvcc wheel's), Weft's release .so, the libfabric runtime it links (and that
 # library's own non-system dependencies), the check program built here
-# against the wheels' headers, and run.sh. Copy the directory to a GPU
-# machine and run ./run.sh there. Prints what it staged and its size.
+# against the wheels' headers, and run.sh. NCCL's device code is cut to the
+# one GPU architecture of the target machine (WEFT_GPU_CHECK_ARCH, default 90:
+# H100/H200) by fatbin.py, and its debug sections are stripped. Packs one
+# archive per NCCL version, each with everything the check needs, into
+# target/gpu-check/carry/ (a device run carries at most 64 MiB). Unpack one on
+# a GPU machine and run its run.sh there (tools/gpu-check/device.sh does
+# both). Prints what it staged and the archives' sizes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=target/gpu-check
@@ -13,6 +18,7 @@ versions=${WEFT_GPU_CHECK_NCCL:-"2.18.3 2.23.4 2.32.3"}
 cudart=${WEFT_GPU_CHECK_CUDART:-12.9.79}
 nvcc=${WEFT_GPU_CHECK_NVCC:-12.9.86}
 cccl=${WEFT_GPU_CHECK_CCCL:-12.9.27}
+arch=${WEFT_GPU_CHECK_ARCH:-90}
 pipdl() {
   python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
     --platform manylinux_2_18_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 \
@@ -33,7 +39,9 @@ for v in $versions; do
   pipdl "nvidia-nccl-cu12==$v"
   rm -rf "$out/build/nccl-$v" && mkdir -p "$out/build/nccl-$v" "$out/stage/nccl-$v"
   unzip -q -o "$out"/wheels/nvidia_nccl_cu12-"$v"-*.whl 'nvidia/nccl/*' -d "$out/build/nccl-$v"
-  cp -L "$out/build/nccl-$v/nvidia/nccl/lib/libnccl.so.2" "$out/stage/nccl-$v/"
+  python3 tools/gpu-check/fatbin.py prune "$out/build/nccl-$v/nvidia/nccl/lib/libnccl.so.2" \
+    "$out/stage/nccl-$v/libnccl.so.2" "$arch"
+  strip --strip-debug "$out/stage/nccl-$v/libnccl.so.2"
   newest=$v
 done
 # The check program: NCCL's stable API only, so one build serves every version
@@ -52,11 +60,19 @@ ldd "$out/stage/lib/libnccl-net-weft.so" | awk '/=> \// { print $3 }' |
   while read -r lib; do cp -L "$lib" "$out/stage/lib/"; done
 cp tools/gpu-check/run.sh "$out/stage/run.sh"
 chmod +x "$out/stage/run.sh"
-echo "gpu-check: staged into $out/stage:"
+echo "gpu-check: staged into $out/stage (NCCL cut to sm_$arch; the freed bytes are zeros, which the archives drop):"
 (cd "$out/stage" && du -sh -- * lib/* nccl-*/* 2>/dev/null | sort -k2)
-total=$(du -sm "$out/stage" | cut -f1)
-echo "gpu-check: $total MiB in all"
-if [ "$total" -gt 64 ]; then
-  echo "gpu-check: more than the 64 MiB a device run carries: NCCL's libraries hold code for every GPU generation;"
-  echo "  cutting them to one architecture (e.g. sm_90) needs CUDA's nvprune or NCCL built from source, which this script does not do yet"
-fi
+rm -rf "$out/carry" && mkdir -p "$out/carry"
+status=0
+for v in $versions; do
+  a="$out/carry/nccl-$v.tar.xz"
+  tar -C "$out/stage" -cf - bin lib run.sh "nccl-$v" | xz -T0 -6 >"$a"
+  mib=$(du -m "$a" | cut -f1)
+  echo "gpu-check: $a: $mib MiB"
+  if [ "$mib" -ge 60 ]; then
+    echo "gpu-check: $a is too large for a device run (64 MiB with the working tree)" >&2
+    status=1
+  fi
+done
+echo "gpu-check: on a GPU machine, per archive: tools/gpu-check/device.sh target/gpu-check/carry/nccl-<version>.tar.xz"
+exit $status
