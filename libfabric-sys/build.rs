@@ -76,6 +76,19 @@ fn main() {
         Err(_) => fail("libclang not found (bindgen needs it)"),
     };
     drop(std::panic::take_hook());
+    // What these headers know beyond 1.17, as cfgs (src/lib.rs turns them
+    // into constants and version-independent helpers):
+    // - fi_mr_dmabuf: DMA-BUF registration (`FI_MR_DMABUF`, 1.20+);
+    // - fi_opt_cuda_api_permitted: `FI_OPT_CUDA_API_PERMITTED` (1.18+).
+    println!("cargo::rustc-check-cfg=cfg(fi_mr_dmabuf)");
+    println!("cargo::rustc-check-cfg=cfg(fi_opt_cuda_api_permitted)");
+    let text = bindings.to_string();
+    if text.contains("pub struct fi_mr_dmabuf") && text.contains("pub const FI_MR_DMABUF") {
+        println!("cargo::rustc-cfg=fi_mr_dmabuf");
+    }
+    if text.contains("FI_OPT_CUDA_API_PERMITTED") {
+        println!("cargo::rustc-cfg=fi_opt_cuda_api_permitted");
+    }
     bindings
         .write_to_file(out.join("bindings.rs"))
         .expect("write bindings.rs to OUT_DIR");

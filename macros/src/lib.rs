@@ -19,8 +19,9 @@
 //! serve is a compile error naming it and the version, unless the mapping
 //! says `null` (only for members NCCL treats as optional) or gives a value.
 //! The default mapping leaves NULL what Weft does not offer: device offload
-//! (`getDeviceMr`, `irecvConsumed`), DMA-BUF, and NIC fusion for CollNet
-//! (`makeVDevice` of the CollNet tables; the net tables serve it).
+//! (`getDeviceMr`, `irecvConsumed`), and for CollNet (host memory only, on
+//! physical devices) DMA-BUF and NIC fusion (`regMrDmaBuf`, `makeVDevice`;
+//! the net tables serve both).
 
 use proc_macro::TokenStream;
 use proc_macro2::{Span, TokenStream as Tokens};
@@ -49,6 +50,7 @@ const SERVED_NET: &[&str] = &[
     "finalize",
     "setNetAttr",
     "makeVDevice",
+    "regMrDmaBuf",
 ];
 const SERVED_COLLNET: &[&str] = &[
     "init",
@@ -93,11 +95,11 @@ const MANDATORY: &[&str] = &[
     "iallreduce",
     "closeColl",
 ];
-/// What the default mapping leaves NULL: no device offload, no DMA-BUF.
-const DEFAULT_NULL: &[&str] = &["getDeviceMr", "irecvConsumed", "regMrDmaBuf"];
+/// What the default mapping leaves NULL: no device offload.
+const DEFAULT_NULL: &[&str] = &["getDeviceMr", "irecvConsumed"];
 /// And for CollNet, no NIC fusion (NCCL then runs CollNet on physical
-/// devices).
-const DEFAULT_NULL_COLLNET: &[&str] = &["makeVDevice"];
+/// devices) and no DMA-BUF (its buffers are host memory).
+const DEFAULT_NULL_COLLNET: &[&str] = &["makeVDevice", "regMrDmaBuf"];
 
 /// The hand-written part of an invocation.
 struct Mapping {

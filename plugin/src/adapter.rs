@@ -377,6 +377,8 @@ pub mod net {
             regMr { comm: *mut c_void = NULL, data: *mut c_void = NULL, size: CSize = CSize::None, type_: c_int = 0,
                     mhandle: *mut *mut c_void = NULL2 }
             deregMr { comm: *mut c_void = NULL, mhandle: *mut c_void = NULL }
+            regMrDmaBuf { comm: *mut c_void = NULL, data: *mut c_void = NULL, size: CSize = CSize::None, type_: c_int = 0,
+                          offset: u64 = 0, fd: c_int = -1, mhandle: *mut *mut c_void = NULL2 }
             isend { sendComm: *mut c_void = NULL, data: *mut c_void = NULL, size: CSize = CSize::None, tag: c_int = 0,
                     mhandle: *mut c_void = NULL, phandle: *mut c_void = NULL, request: *mut *mut c_void = NULL2 }
             irecv { recvComm: *mut c_void = NULL, n: c_int = 0, data: *mut *mut c_void = NULL2, sizes: SizeArray = SizeArray::None,
@@ -512,6 +514,18 @@ pub mod net {
     /// `deregMr`.
     pub fn deregMr(a: args::deregMr) -> Result<()> {
         core::dereg_mr(a.comm, a.mhandle)
+    }
+
+    /// `regMrDmaBuf` (v6+). The output pointer is checked first, so a NULL
+    /// one registers nothing.
+    ///
+    /// # Safety
+    /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+    pub unsafe fn regMrDmaBuf(a: args::regMrDmaBuf) -> Result<()> {
+        // SAFETY: NCCL's output slot (NULL is refused).
+        let out = unsafe { out_ref(a.mhandle, "mhandle")? };
+        *out = core::reg_mr_dma_buf(a.comm, a.data, a.size.get("size")?, a.type_, a.offset, a.fd)?;
+        Ok(())
     }
 
     /// `isend`: `*request` is always written (NULL = retry later).

@@ -144,6 +144,26 @@ pub trait Registrar {
             )),
         }
     }
+
+    /// Registers `len` bytes of device `dev`'s memory at `ptr` through the
+    /// DMA-BUF `fd` that holds them, from `offset` on; a registrar without
+    /// DMA-BUF refuses.
+    ///
+    /// # Safety
+    /// As for [`Registrar::register`]; `fd` is open for the call.
+    unsafe fn register_dmabuf(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        dev: i32,
+        fd: i32,
+        offset: u64,
+    ) -> Result<Option<(Self::Registration, MrDesc)>, String> {
+        let _ = (ptr, len, fd, offset);
+        Err(format!(
+            "this registrar does not register DMA-BUF memory (device {dev})"
+        ))
+    }
 }
 
 /// The registrar of unregistered lists.

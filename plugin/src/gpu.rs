@@ -16,6 +16,7 @@
 //! ([`Driver::flush`]).
 
 use std::ffi::{c_void, CStr};
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::OnceLock;
 
@@ -87,13 +88,8 @@ fn probe() -> Result<Driver, Unavailable> {
         linux.dedup();
         return Err(Unavailable::NoLibrary(linux.join(", ")));
     }
-    // SAFETY: present (just checked), so culib() loads it instead of panicking.
-    let lib = unsafe { sys::culib() };
-    for &name in SYMBOLS {
-        // SAFETY: a lookup only; the symbol is not called here.
-        if unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err() {
-            return Err(Unavailable::MissingSymbol(name));
-        }
+    if let Some(&name) = SYMBOLS.iter().find(|n| !has_symbol(n)) {
+        return Err(Unavailable::MissingSymbol(name));
     }
     // SAFETY: every symbol is there (checked above), so cudarc's loader
     // does not panic; cuInit(0) has no other precondition.
@@ -112,6 +108,19 @@ fn probe() -> Result<Driver, Unavailable> {
         contexts: std::sync::Mutex::new(vec![0; devices as usize]),
     })
 }
+
+/// Whether the driver library (present: the probe's first check) has
+/// `name`. cudarc panics on calling a missing symbol, so optional calls are
+/// looked up first.
+fn has_symbol(name: &str) -> bool {
+    // SAFETY: called only once the library is known to be present, so
+    // culib() loads it instead of panicking; a lookup only, nothing is called.
+    unsafe { sys::culib().get::<*const c_void>(name.as_bytes()) }.is_ok()
+}
+
+/// Driver calls that only DMA-BUF export needs (CUDA 11.7+ drivers): looked
+/// up when DMA-BUF is asked for, so an older driver still serves the rest.
+pub const DMABUF_SYMBOLS: &[&str] = &["cuDeviceGetAttribute", "cuMemGetHandleForAddressRange"];
 
 /// A driver result as text: `call: CUDA_ERROR_NAME (code)`.
 fn check(call: &str, r: sys::CUresult) -> Result<(), String> {
@@ -243,6 +252,60 @@ impl Driver {
                 sys::cuMemFree_v2(p.as_ptr() as sys::CUdeviceptr)
             })
         });
+    }
+
+    /// Whether GPU `dev` exports its memory as DMA-BUFs: the driver has the
+    /// calls and the device says so (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`,
+    /// which needs the open kernel modules on most systems).
+    pub fn dmabuf_supported(&self, dev: i32) -> Result<(), String> {
+        if let Some(name) = DMABUF_SYMBOLS.iter().find(|n| !has_symbol(n)) {
+            return Err(format!(
+                "the CUDA driver lacks {name} (DMA-BUF export needs a CUDA 11.7 or newer driver)"
+            ));
+        }
+        let mut d: sys::CUdevice = 0;
+        let mut supported = 0;
+        // SAFETY: probed symbols (above and at the probe); each writes one int.
+        unsafe {
+            check("cuDeviceGet", sys::cuDeviceGet(&mut d, dev))?;
+            check(
+                "cuDeviceGetAttribute(DMA_BUF_SUPPORTED)",
+                sys::cuDeviceGetAttribute(
+                    &mut supported,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
+                    d,
+                ),
+            )?;
+        }
+        if supported == 0 {
+            return Err(format!(
+                "GPU {dev} does not export DMA-BUFs (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0: \
+                 the open GPU kernel modules and Linux 5.12+ are needed)"
+            ));
+        }
+        Ok(())
+    }
+
+    /// A DMA-BUF file descriptor for `len` bytes of device memory at `ptr`
+    /// (what NCCL hands `regMrDmaBuf`). Only after
+    /// [`Driver::dmabuf_supported`] said yes.
+    pub fn dmabuf_fd(&self, ptr: NonNull<u8>, len: usize) -> Result<OwnedFd, String> {
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: a symbol looked up by dmabuf_supported; writes one int.
+        check("cuMemGetHandleForAddressRange(DMA_BUF_FD)", unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&raw mut fd).cast(),
+                ptr.as_ptr() as sys::CUdeviceptr,
+                len,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        })?;
+        if fd < 0 {
+            return Err(format!("cuMemGetHandleForAddressRange returned fd {fd}"));
+        }
+        // SAFETY: the driver hands over a new descriptor, owned from here.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
     /// Makes GPUDirect RDMA writes already done to device `dev`'s memory

@@ -164,6 +164,42 @@ impl<R: Registrar> MrCache<R> {
         len: usize,
         kind: MemKind,
     ) -> Result<Arc<Region<R::Registration>>, RegError> {
+        self.cached(addr, len, kind, |base, len| {
+            // SAFETY: the caller keeps the range allocated while the handle lives.
+            unsafe { self.registrar.register_kind(base, len, kind) }
+        })
+    }
+
+    /// [`MrCache::register_kind`] of device `dev`'s memory through the
+    /// DMA-BUF `fd` that holds it, from `offset` on. Keyed as the same
+    /// memory registered by address: either registration serves both.
+    ///
+    /// # Safety
+    /// The range stays allocated while the returned handle lives; `fd` is
+    /// open for the call.
+    pub unsafe fn register_dmabuf(
+        &self,
+        addr: usize,
+        len: usize,
+        dev: i32,
+        fd: i32,
+        offset: u64,
+    ) -> Result<Arc<Region<R::Registration>>, RegError> {
+        self.cached(addr, len, MemKind::Cuda(dev), |base, len| {
+            // SAFETY: the caller keeps the range allocated and `fd` open.
+            unsafe { self.registrar.register_dmabuf(base, len, dev, fd, offset) }
+        })
+    }
+
+    /// The cached registration of `addr..addr+len` of `kind`, or a new one
+    /// made by `make(start, len)` for the range the key names.
+    fn cached(
+        &self,
+        addr: usize,
+        len: usize,
+        kind: MemKind,
+        make: impl FnOnce(NonNull<u8>, usize) -> Result<Option<(R::Registration, MrDesc)>, String>,
+    ) -> Result<Arc<Region<R::Registration>>, RegError> {
         let fail = |why: String| RegError { addr, len, why };
         let key = page_range(addr, len, kind).ok_or_else(|| fail("range overflows".into()))?;
         let mut map = self.lock();
@@ -173,8 +209,7 @@ impl<R: Registrar> MrCache<R> {
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
         let base = NonNull::new(key.1 as *mut u8).ok_or_else(|| fail("NULL address".into()))?;
-        // SAFETY: the caller keeps the range allocated while the handle lives.
-        let (reg, desc) = match unsafe { self.registrar.register_kind(base, key.2 - key.1, kind) } {
+        let (reg, desc) = match make(base, key.2 - key.1) {
             Ok(Some(r)) => r,
             Ok(None) => return Err(fail("the registrar does not register memory".into())),
             Err(why) => return Err(fail(why)),

@@ -9,16 +9,22 @@
  *   FAKE_CUDA_INIT_FAIL=1       cuInit fails (CUDA_ERROR_NO_DEVICE, 100)
  *   FAKE_CUDA_DEVICES=N         devices listed (default 1)
  *   FAKE_CUDA_ALLOC_LIMIT=N     the N+1th cuMemAlloc fails (out of memory)
+ *   FAKE_CUDA_NO_DMABUF=1       devices say they cannot export DMA-BUFs
  * and by calls a test makes through dlsym:
  *   fake_cuda_set_ordinal(ptr, dev)   pretend an allocation is on device dev
  *   fake_cuda_flushes()               cuFlushGPUDirectRDMAWrites calls so far
  *   fake_cuda_live()                  allocations not yet freed
+ *   fake_cuda_dmabufs()               DMA-BUF fds handed out so far
+ * A "DMA-BUF" is a memfd (the kernel here has no exporter of real ones): an
+ * fd to pass on, which a libfabric without a real NIC never reads.
  * Built twice: as is, and with -DFAKE_CUDA_NO_ALLOC (no cuMemAlloc_v2) to
  * stand for a driver that lacks a symbol.
  */
+#define _GNU_SOURCE
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -42,7 +48,7 @@ static struct {
 	int dev;
 } allocs[MAX_ALLOCS];
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-static int initialized, nallocs, flushes, live;
+static int initialized, nallocs, flushes, live, dmabufs;
 static CUdevice contexts[16];
 static __thread int ctx_depth;
 static __thread CUdevice ctx_stack[16];
@@ -212,6 +218,46 @@ CUresult cuFlushGPUDirectRDMAWrites(int target, int scope)
 		return INVALID_CONTEXT;
 	__atomic_add_fetch(&flushes, 1, __ATOMIC_SEQ_CST);
 	return SUCCESS;
+}
+
+/* CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124; nothing else is asked. */
+CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice d)
+{
+	if (!initialized)
+		return NOT_INITIALIZED;
+	if (d < 0 || d >= ndevices())
+		return INVALID_DEVICE;
+	if (attribute != 124)
+		return INVALID_VALUE;
+	*value = !env_int("FAKE_CUDA_NO_DMABUF", 0);
+	return SUCCESS;
+}
+
+/* CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1: an fd for a range inside one allocation. */
+CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t size, int type,
+				       unsigned long long flags)
+{
+	int i, fd;
+	if (type != 1 || flags != 0 || env_int("FAKE_CUDA_NO_DMABUF", 0))
+		return INVALID_VALUE;
+	pthread_mutex_lock(&lock);
+	for (i = 0; i < MAX_ALLOCS; i++)
+		if (allocs[i].len && p >= allocs[i].start && p + size <= allocs[i].start + allocs[i].len)
+			break;
+	pthread_mutex_unlock(&lock);
+	if (i == MAX_ALLOCS)
+		return INVALID_VALUE;
+	fd = memfd_create("fake-cuda-dmabuf", MFD_CLOEXEC);
+	if (fd < 0)
+		return OUT_OF_MEMORY;
+	__atomic_add_fetch(&dmabufs, 1, __ATOMIC_SEQ_CST);
+	*(int *)handle = fd;
+	return SUCCESS;
+}
+
+int fake_cuda_dmabufs(void)
+{
+	return __atomic_load_n(&dmabufs, __ATOMIC_SEQ_CST);
 }
 
 int fake_cuda_set_ordinal(void *p, int dev)

@@ -113,6 +113,18 @@ pub trait Net: Sync {
         mh: *mut *mut c_void,
     ) -> c_int;
     unsafe fn dereg_mr(&self, comm: *mut c_void, mh: *mut c_void) -> c_int;
+    /// `regMrDmaBuf` (v6+); None where the table has no such member.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn reg_mr_dma_buf(
+        &self,
+        comm: *mut c_void,
+        data: *mut c_void,
+        size: usize,
+        ty: c_int,
+        offset: u64,
+        fd: c_int,
+        mh: *mut *mut c_void,
+    ) -> Option<c_int>;
     unsafe fn isend(
         &self,
         sc: *mut c_void,
@@ -159,7 +171,8 @@ pub fn logger() -> Option<g::adapter::Logger> {
 macro_rules! net_impl {
     ($name:ident, $m:ident, $T:ident, $P:ident, $v:literal,
      init: $init:ident, ctx: $ctx:ident, connect: $conn:ident, accept: $acc:ident,
-     regsize: $rs:ty, size: $sz:ty, phandle: $ph:ident, regglobal: $rg:ident, vdev: $vd:ident) => {
+     regsize: $rs:ty, size: $sz:ty, phandle: $ph:ident, regglobal: $rg:ident, vdev: $vd:ident,
+     dmabuf: $db:ident) => {
         /// The table of this version, as NCCL sees it.
         #[allow(missing_debug_implementations)]
         pub struct $name(pub &'static g::$m::$T);
@@ -197,6 +210,9 @@ macro_rules! net_impl {
                 unsafe { (self.0.regMr.unwrap())(comm, data, size as $rs, 1, mh) }
             }
             unsafe fn dereg_mr(&self, comm: *mut c_void, mh: *mut c_void) -> c_int { unsafe { (self.0.deregMr.unwrap())(comm, mh) } }
+            unsafe fn reg_mr_dma_buf(&self, comm: *mut c_void, data: *mut c_void, size: usize, ty: c_int, offset: u64, fd: c_int, mh: *mut *mut c_void) -> Option<c_int> {
+                net_impl!(@dmabuf $db, self.0, comm, data, size, ty, offset, fd, mh)
+            }
             unsafe fn isend(&self, sc: *mut c_void, data: *mut c_void, size: usize, tag: c_int, mh: *mut c_void, req: *mut *mut c_void) -> c_int {
                 net_impl!(@isend $ph, self.0, sc, data, size as $sz, tag, mh, req)
             }
@@ -223,6 +239,14 @@ macro_rules! net_impl {
             }
         }
     };
+    (@dmabuf no, $t:expr, $c:ident, $d:ident, $s:ident, $ty:ident, $o:ident, $fd:ident, $mh:ident) => {{
+        let _ = ($c, $d, $s, $ty, $o, $fd, $mh);
+        None
+    }};
+    (@dmabuf yes, $t:expr, $c:ident, $d:ident, $s:ident, $ty:ident, $o:ident, $fd:ident, $mh:ident) => {{
+        let f = $t.regMrDmaBuf?;
+        Some(unsafe { f($c, $d, $s, $ty, $o, $fd, $mh) })
+    }};
     (@mkv none, $t:expr, $m:ident, $n:ident, $devs:ident) => {{ let _ = ($n, $devs); None }};
     (@mkv $VP:ident, $t:expr, $m:ident, $n:ident, $devs:ident) => {{
         let mut p: g::$m::$VP = unsafe { std::mem::zeroed() };
@@ -285,14 +309,14 @@ macro_rules! net_impl {
     }};
 }
 
-net_impl!(NetV5, net_v5, ncclNet_v5_t, ncclNetProperties_v5_t, 5, init: log, ctx: noctx, connect: plain, accept: plain, regsize: c_int, size: c_int, phandle: no, regglobal: no, vdev: none);
-net_impl!(NetV6, net_v6, ncclNet_v6_t, ncclNetProperties_v6_t, 6, init: log, ctx: noctx, connect: plain, accept: plain, regsize: c_int, size: c_int, phandle: no, regglobal: no, vdev: none);
-net_impl!(NetV7, net_v7, ncclNet_v7_t, ncclNetProperties_v7_t, 7, init: log, ctx: noctx, connect: dev, accept: dev, regsize: c_int, size: c_int, phandle: no, regglobal: no, vdev: none);
-net_impl!(NetV8, net_v8, ncclNet_v8_t, ncclNetProperties_v8_t, 8, init: log, ctx: noctx, connect: dev, accept: dev, regsize: usize, size: c_int, phandle: no, regglobal: yes, vdev: none);
-net_impl!(NetV9, net_v9, ncclNet_v9_t, ncclNetProperties_v9_t, 9, init: log, ctx: noctx, connect: dev, accept: dev, regsize: usize, size: usize, phandle: no, regglobal: yes, vdev: ncclNetVDeviceProps_v9_t);
-net_impl!(NetV10, net_v10, ncclNet_v10_t, ncclNetProperties_v10_t, 10, init: logprof, ctx: noctx, connect: config, accept: dev, regsize: usize, size: usize, phandle: yes, regglobal: yes, vdev: ncclNetVDeviceProps_v10_t);
-net_impl!(NetV11, net_v11, ncclNet_v11_t, ncclNetProperties_v11_t, 11, init: ctx, ctx: ctx, connect: ctx, accept: dev, regsize: usize, size: usize, phandle: yes, regglobal: yes, vdev: ncclNetVDeviceProps_v11_t);
-net_impl!(NetV12, net_v12, ncclNet_v12_t, ncclNetProperties_v12_t, 12, init: ctx, ctx: ctx, connect: ctx, accept: dev, regsize: usize, size: usize, phandle: yes, regglobal: yes, vdev: ncclNetVDeviceProps_v12_t);
+net_impl!(NetV5, net_v5, ncclNet_v5_t, ncclNetProperties_v5_t, 5, init: log, ctx: noctx, connect: plain, accept: plain, regsize: c_int, size: c_int, phandle: no, regglobal: no, vdev: none, dmabuf: no);
+net_impl!(NetV6, net_v6, ncclNet_v6_t, ncclNetProperties_v6_t, 6, init: log, ctx: noctx, connect: plain, accept: plain, regsize: c_int, size: c_int, phandle: no, regglobal: no, vdev: none, dmabuf: yes);
+net_impl!(NetV7, net_v7, ncclNet_v7_t, ncclNetProperties_v7_t, 7, init: log, ctx: noctx, connect: dev, accept: dev, regsize: c_int, size: c_int, phandle: no, regglobal: no, vdev: none, dmabuf: yes);
+net_impl!(NetV8, net_v8, ncclNet_v8_t, ncclNetProperties_v8_t, 8, init: log, ctx: noctx, connect: dev, accept: dev, regsize: usize, size: c_int, phandle: no, regglobal: yes, vdev: none, dmabuf: yes);
+net_impl!(NetV9, net_v9, ncclNet_v9_t, ncclNetProperties_v9_t, 9, init: log, ctx: noctx, connect: dev, accept: dev, regsize: usize, size: usize, phandle: no, regglobal: yes, vdev: ncclNetVDeviceProps_v9_t, dmabuf: yes);
+net_impl!(NetV10, net_v10, ncclNet_v10_t, ncclNetProperties_v10_t, 10, init: logprof, ctx: noctx, connect: config, accept: dev, regsize: usize, size: usize, phandle: yes, regglobal: yes, vdev: ncclNetVDeviceProps_v10_t, dmabuf: yes);
+net_impl!(NetV11, net_v11, ncclNet_v11_t, ncclNetProperties_v11_t, 11, init: ctx, ctx: ctx, connect: ctx, accept: dev, regsize: usize, size: usize, phandle: yes, regglobal: yes, vdev: ncclNetVDeviceProps_v11_t, dmabuf: yes);
+net_impl!(NetV12, net_v12, ncclNet_v12_t, ncclNetProperties_v12_t, 12, init: ctx, ctx: ctx, connect: ctx, accept: dev, regsize: usize, size: usize, phandle: yes, regglobal: yes, vdev: ncclNetVDeviceProps_v12_t, dmabuf: yes);
 
 /// Looks up `ncclNetPlugin_v<version>` and wraps it.
 pub fn net(lib: &libloading::os::unix::Library, version: u32) -> Box<dyn Net> {

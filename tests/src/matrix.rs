@@ -394,6 +394,7 @@ pub fn cell(version: u32, provider: &str, peer: &Path) -> Res<usize> {
             format_args!("recvComm, {} bytes", dst.len()),
             n.reg_mr(a.r, dst.as_mut_ptr().cast(), dst.len(), &mut rmh),
         )?;
+        dmabuf_refused(n, c, a.r, &mut dst)?;
         for size in [0usize, 1, 4095, 4096, 65536, 1 << 20, 16 << 20, max] {
             let rq = irecv(
                 n,
@@ -644,6 +645,43 @@ pub fn cell(version: u32, provider: &str, peer: &Path) -> Res<usize> {
         }
     }
     Ok(c.n)
+}
+
+/// `regMrDmaBuf` (v6+ tables serve it): on a device that did not claim
+/// `NCCL_PTR_DMABUF` (none does without a GPU) it is refused as misuse, with
+/// no handle written; a NULL handle slot is refused too.
+fn dmabuf_refused(n: &dyn Net, c: &mut Checks, comm: *mut c_void, buf: &mut [u8]) -> Res {
+    const CUDA: c_int = 2;
+    const INVALID_USAGE: c_int = 5;
+    let mut mh: *mut c_void = null();
+    let (data, len) = (buf.as_mut_ptr().cast(), buf.len());
+    // SAFETY: `comm` is a live receive comm of this table; `buf` is live;
+    // `mh` is a writable slot (a NULL one is the second call's point).
+    let Some(r) = (unsafe { n.reg_mr_dma_buf(comm, data, len, CUDA, 0, 0, &mut mh) }) else {
+        return c.that(
+            c.v < 6,
+            "regMrDmaBuf",
+            "absent",
+            "a member of every v6+ table",
+            "none",
+        );
+    };
+    c.that(
+        r == INVALID_USAGE && mh.is_null(),
+        "regMrDmaBuf",
+        "recvComm, CUDA, fd 0, on a device without NCCL_PTR_DMABUF",
+        "ncclInvalidUsage (5), no handle",
+        format_args!("result {r}, handle {mh:p}"),
+    )?;
+    // SAFETY: as above.
+    let r = unsafe { n.reg_mr_dma_buf(comm, data, len, CUDA, 0, 0, null()) }.unwrap_or(0);
+    c.that(
+        r != 0,
+        "regMrDmaBuf",
+        "NULL mhandle",
+        "an error",
+        "ncclSuccess",
+    )
 }
 
 /// `makeVDevice` (v9+): bad requests refused with nothing made; a virtual

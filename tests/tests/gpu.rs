@@ -21,10 +21,12 @@ fn probe(mode: &str, lib: Option<&str>, env: &[(&str, &str)]) -> String {
         .env("NCCL_DEBUG", "INFO")
         .env("WEFT_TEST_TIMEOUT", "60")
         .env_remove("WEFT_TEST_HMEM");
-    match lib {
-        Some(dir) => c.env("LD_LIBRARY_PATH", dir),
-        None => c.env_remove("LD_LIBRARY_PATH"),
-    };
+    // The driver directory goes first; the rest of the path stays (it may
+    // name the libfabric under test, as in `./weft test-libfabric2`).
+    if let Some(dir) = lib {
+        let rest = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+        c.env("LD_LIBRARY_PATH", format!("{dir}:{rest}"));
+    }
     for (k, v) in env {
         c.env(k, v);
     }
@@ -118,7 +120,10 @@ fn a_gpu_freelist_grows_then_fails_cleanly() {
 /// copies off, a registered GPU freelist, and iflush calling the driver.
 #[test]
 fn cuda_buffers_end_to_end_with_emulated_hmem() {
-    for (provider, protocol) in [("shm", "rdma"), ("tcp", "rdma"), ("tcp", "sendrecv")] {
+    // libfabric 2.x's shm stalls Weft's RDMA writes (Weft then refuses
+    // WEFT_PROTOCOL=rdma there): shm runs sendrecv with such a libfabric.
+    let shm = if libfabric_2() { "sendrecv" } else { "rdma" };
+    for (provider, protocol) in [("shm", shm), ("tcp", "rdma"), ("tcp", "sendrecv")] {
         let out = probe(
             "transfer",
             Some(FAKE),
@@ -129,7 +134,40 @@ fn cuda_buffers_end_to_end_with_emulated_hmem() {
             ],
         );
         let what = format!("{provider}/{protocol}");
-        assert!(out.contains("ptrSupport 0x3"), "{what}");
+        let dmabuf = dmabuf_expected(provider);
+        let ptr_support = if dmabuf {
+            "ptrSupport 0x7"
+        } else {
+            "ptrSupport 0x3"
+        };
+        assert!(out.contains(ptr_support), "{what}: {ptr_support}");
+        if dmabuf {
+            for line in [
+                "DMA-BUF registration supported (NCCL_PTR_DMABUF)",
+                "dmabuf host type refused: regMrDmaBuf: memory type 0x1: DMA-BUF registration takes CUDA memory",
+                "dmabuf bad fd refused: regMrDmaBuf: -1 is not a file descriptor",
+                "receive buffer registered through a DMA-BUF at offset 4096",
+            ] {
+                assert!(out.contains(line), "{what}: {line:?}");
+            }
+        } else {
+            assert!(
+                out.contains("dmabuf refused: regMrDmaBuf: device 0 (")
+                    && out.contains("did not claim NCCL_PTR_DMABUF"),
+                "{what}"
+            );
+            assert!(
+                out.contains(&dmabuf_missing(provider)),
+                "{what}: {:?}",
+                dmabuf_missing(provider)
+            );
+        }
+        let cuda_api = if libfabric_sys::HAS_OPT_CUDA_API_PERMITTED {
+            "FI_OPT_CUDA_API_PERMITTED not set: this libfabric has no CUDA support, so there is nothing to forbid"
+        } else {
+            "FI_OPT_CUDA_API_PERMITTED not set: not known to the headers of libfabric 1.17"
+        };
+        assert!(out.contains(cuda_api), "{what}: {cuda_api:?}");
         assert!(out.contains(&format!("protocol {protocol}")), "{what}");
         assert!(
             out.contains("host-as-cuda refused: regMr: NCCL says"),
@@ -148,4 +186,65 @@ fn cuda_buffers_end_to_end_with_emulated_hmem() {
         assert!(out.contains("iflush request None flushes 1"), "{what}");
         assert!(out.contains("eager 0 mr_entries 2"), "{what}");
     }
+}
+
+/// Whether the running libfabric is 2.x or newer.
+fn libfabric_2() -> bool {
+    libfabric_sys::running_version() >= libfabric_sys::make_version(2, 0)
+}
+
+/// Whether the headers Weft was built with and the running libfabric both
+/// know `FI_MR_DMABUF`.
+fn libfabric_dmabuf() -> bool {
+    libfabric_sys::HAS_MR_DMABUF
+        && libfabric_sys::running_version() >= libfabric_sys::DMABUF_FI_VERSION
+}
+
+/// Whether DMA-BUF registration should be claimed on `provider`: where
+/// libfabric knows it, and the provider addresses registrations by virtual
+/// address (shm; tcp uses offsets, where libfabric's map mislocates them).
+fn dmabuf_expected(provider: &str) -> bool {
+    libfabric_dmabuf() && provider == "shm"
+}
+
+/// The start of the reason the init line gives where DMA-BUF is not claimed
+/// on `provider` for want of libfabric support.
+fn dmabuf_missing(provider: &str) -> String {
+    let head = "no DMA-BUF registration (NCCL_PTR_DMABUF not claimed; NCCL registers GPU memory by address): ";
+    if !libfabric_sys::HAS_MR_DMABUF {
+        format!("{head}Weft was built with the headers of libfabric 1.17, which has no FI_MR_DMABUF (1.20+)")
+    } else if !libfabric_dmabuf() {
+        format!("{head}the running libfabric")
+    } else {
+        format!("{provider}{}addresses registrations by offset (no FI_MR_VIRT_ADDR), where libfabric's registration map mislocates DMA-BUF registrations", if provider == "tcp" { ";ofi_rxm " } else { " " })
+    }
+}
+
+/// A GPU that cannot export DMA-BUFs (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`
+/// = 0, as without the open kernel modules): CUDA is claimed, DMA-BUF not,
+/// and the log says why (or, where libfabric lacks DMA-BUF, that reason
+/// comes first).
+#[test]
+fn a_gpu_that_cannot_export_dmabufs_is_registered_by_address() {
+    let out = probe(
+        "transfer",
+        Some(FAKE),
+        &[
+            ("WEFT_TEST_HMEM", "system"),
+            ("WEFT_PROVIDER", "shm"),
+            ("WEFT_PROTOCOL", "sendrecv"),
+            ("FAKE_CUDA_NO_DMABUF", "1"),
+        ],
+    );
+    assert!(out.contains("ptrSupport 0x3"));
+    if dmabuf_expected("shm") {
+        assert!(out.contains(
+            "no DMA-BUF registration (NCCL_PTR_DMABUF not claimed; NCCL registers GPU memory by address): \
+             GPU 0 does not export DMA-BUFs (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0"
+        ));
+    } else {
+        assert!(out.contains(&dmabuf_missing("shm")));
+    }
+    assert!(out.contains("did not claim NCCL_PTR_DMABUF"));
+    assert!(out.contains("size 262144 received 262144 match true"));
 }

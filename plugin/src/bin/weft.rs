@@ -233,8 +233,10 @@ fn report(lib: &Lib) -> Result<Value, String> {
     Ok(json!({
         "weft": env!("CARGO_PKG_VERSION"),
         "library": lib.path,
-        "libfabric": format!("{}.{}", v >> 16, v & 0xffff),
-        "libfabric_built_against": format!("{}.{}", libfabric_sys::WEFT_FI_VERSION >> 16, libfabric_sys::WEFT_FI_VERSION & 0xffff),
+        "libfabric": version(v),
+        "libfabric_needed": version(libfabric_sys::WEFT_FI_VERSION),
+        "libfabric_headers": version(libfabric_sys::HEADERS_FI_VERSION),
+        "libfabric_api": version(libfabric_sys::api_version()),
         "configuration": config,
         "providers": providers,
         "protocol": format!("{} ({why})", protocol.name()),
@@ -252,9 +254,11 @@ fn print_text(r: &Value) {
         s(&r["library"])
     );
     println!(
-        "libfabric: {} (Weft needs >= {})",
+        "libfabric: {} (Weft needs >= {}; built with the headers of {}; asks for API {})",
         s(&r["libfabric"]),
-        s(&r["libfabric_built_against"])
+        s(&r["libfabric_needed"]),
+        s(&r["libfabric_headers"]),
+        s(&r["libfabric_api"])
     );
     println!("\nconfiguration:");
     for c in r["configuration"].as_array().into_iter().flatten() {
@@ -335,4 +339,9 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A libfabric version number as "major.minor".
+fn version(v: u32) -> String {
+    format!("{}.{}", v >> 16, v & 0xffff)
 }

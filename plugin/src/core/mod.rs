@@ -218,7 +218,8 @@ fn start(config: Option<Config>) -> Result<Running> {
                     crate::gpu::driver().map_or(0, |d| d.devices()),
                 );
                 p.ptr_support |= props::PTR_CUDA;
-                true
+                domain.set_gpu_memory();
+                Some(gpu)
             }
             Err(why) => {
                 tracing::info!(
@@ -226,15 +227,39 @@ fn start(config: Option<Config>) -> Result<Running> {
                     "device {index} ({}): host memory only (ptrSupport = NCCL_PTR_HOST): {why}",
                     dev.domain
                 );
+                None
+            }
+        };
+        let dmabuf = match cuda.map(|gpu| dmabuf_claim(&domain, gpu)) {
+            None => false,
+            Some(Ok(())) => {
+                tracing::info!(
+                    target: "weft::init",
+                    "device {index} ({}): DMA-BUF registration supported (NCCL_PTR_DMABUF): a DMA-BUF of \
+                     device memory registered with FI_MR_DMABUF",
+                    dev.domain
+                );
+                p.ptr_support |= props::PTR_DMABUF;
+                true
+            }
+            Some(Err(why)) => {
+                tracing::info!(
+                    target: "weft::init",
+                    "device {index} ({}): no DMA-BUF registration (NCCL_PTR_DMABUF not claimed; NCCL \
+                     registers GPU memory by address): {why}",
+                    dev.domain
+                );
                 false
             }
         };
+        let cuda = cuda.is_some();
         all_props.push(p);
         devices.push(Arc::new(DeviceState {
             index,
             mr: MrCache::new(DomainRegistrar(Arc::clone(&domain))),
             domain,
             cuda,
+            dmabuf,
             // No CPU touches GPU data: on a device that takes GPU memory no
             // message is copied eagerly (nor injected).
             eager_size: if cuda { 0 } else { config.eager_size },
@@ -315,6 +340,69 @@ fn gpu_claim(
             why.unwrap_or_default()
         ))
     }
+}
+
+/// Whether `domain` takes GPU `gpu`'s memory through DMA-BUF: the headers
+/// Weft was built with and the running libfabric know `FI_MR_DMABUF`
+/// (1.20+), the driver exports DMA-BUFs of that GPU, and a registration of
+/// one succeeds. Otherwise, why not.
+fn dmabuf_claim(domain: &Arc<Domain>, gpu: i32) -> std::result::Result<(), String> {
+    use crate::fabric::{Mr, ACCESS_ALL};
+    use std::os::fd::AsRawFd;
+    let v = |v: u32| format!("{}.{}", v >> 16, v & 0xffff);
+    if !libfabric_sys::HAS_MR_DMABUF {
+        return Err(format!(
+            "Weft was built with the headers of libfabric {}, which has no FI_MR_DMABUF (1.20+); \
+             rebuild Weft against a newer libfabric to use it",
+            v(libfabric_sys::HEADERS_FI_VERSION)
+        ));
+    }
+    let running = libfabric_sys::running_version();
+    if running < libfabric_sys::DMABUF_FI_VERSION {
+        return Err(format!(
+            "the running libfabric {} is older than 1.20 (FI_MR_DMABUF)",
+            v(running)
+        ));
+    }
+    if domain.info().mr_mode() & libfabric_sys::FI_MR_VIRT_ADDR == 0 {
+        // libfabric's own registration map (tcp, udp, sockets: providers
+        // without NIC registration) takes a DMA-BUF registration's base from
+        // the wrong arm of fi_mr_attr's union when registrations are
+        // addressed by offset (2.1: util_mr_map.c, ofi_mr_map_insert), so a
+        // peer's write misses it. NICs that register for real (verbs, EFA)
+        // address by virtual address.
+        return Err(format!(
+            "{} addresses registrations by offset (no FI_MR_VIRT_ADDR), where libfabric's registration map \
+             mislocates DMA-BUF registrations",
+            domain.info().provider()
+        ));
+    }
+    let drv = crate::gpu::driver().map_err(|e| e.to_string())?;
+    drv.dmabuf_supported(gpu)?;
+    const PROBE: usize = 64 << 10;
+    let mem = drv
+        .alloc(gpu, PROBE)
+        .map_err(|e| format!("no device memory to probe with: {e}"))?;
+    let reg = drv.dmabuf_fd(mem, PROBE).and_then(|fd| {
+        // SAFETY: `mem` is PROBE bytes of device memory, freed only after
+        // the registration is dropped; `fd` is open for the call.
+        unsafe {
+            Mr::register_dmabuf(
+                domain,
+                mem.as_ptr(),
+                PROBE,
+                ACCESS_ALL,
+                gpu,
+                fd.as_raw_fd(),
+                0,
+            )
+        }
+        .map(drop)
+        .map_err(|e| format!("registering a DMA-BUF of GPU {gpu}'s memory failed ({e})"))
+    });
+    // SAFETY: the registration is gone; nothing else holds `mem`.
+    unsafe { drv.free(gpu, mem) };
+    reg
 }
 
 /// What `init` receives, in the newest API's terms.
@@ -666,30 +754,13 @@ pub fn reg_mr(
     size: usize,
     ptr_type: i32,
 ) -> Result<*mut c_void> {
-    let (index, rails) = comm_device(comm).ok_or_else(|| {
-        Error::internal(format!(
-            "regMr: {comm:p} is not a live Weft send or receive comm"
-        ))
-    })?;
-    if data.is_null() {
-        return Err(Error::internal("regMr: NULL address"));
-    }
+    let (index, rails) = registering(comm, data, "regMr")?;
     // A virtual device takes GPU memory only if every rail does: the rail
     // that decides (and that an error names) is the first that does not.
     let d = rails.iter().find(|r| !r.cuda).unwrap_or(&rails[0]);
     let kind = match ptr_type {
         props::PTR_HOST => MemKind::Host,
-        props::PTR_CUDA if d.cuda => {
-            let drv = crate::gpu::driver().map_err(|e| Error::system(e.to_string()))?;
-            match drv.classify(data).map_err(|e| Error::internal(format!("regMr: {e}")))? {
-                MemKind::Host => {
-                    return Err(Error::internal(format!(
-                        "regMr: NCCL says {data:p} is CUDA memory, but the driver does not know it as device memory"
-                    )))
-                }
-                cuda => cuda,
-            }
-        }
+        props::PTR_CUDA if d.cuda => MemKind::Cuda(cuda_device(data, "regMr")?),
         props::PTR_CUDA => {
             return Err(Error::usage(format!(
                 "regMr: CUDA memory on device {} ({}), which reported ptrSupport = NCCL_PTR_HOST (its INFO line at init says why)",
@@ -702,6 +773,95 @@ pub fn reg_mr(
             )))
         }
     };
+    // SAFETY: NCCL registers memory it owns and keeps allocated until deregMr.
+    register_on(index, &rails, data, size, |r| unsafe {
+        r.mr.register_kind(data as usize, size, kind)
+    })
+}
+
+/// `regMrDmaBuf(comm, data, size, type, offset, fd)` (v6+): GPU memory at
+/// `data`, which is `offset` bytes into the DMA-BUF `fd`, registered through
+/// that DMA-BUF. Only on devices that claimed `NCCL_PTR_DMABUF`; the fd is
+/// NCCL's (it closes it once this returns).
+pub fn reg_mr_dma_buf(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    ptr_type: i32,
+    offset: u64,
+    fd: i32,
+) -> Result<*mut c_void> {
+    let (index, rails) = registering(comm, data, "regMrDmaBuf")?;
+    let d = rails.iter().find(|r| !r.dmabuf).unwrap_or(&rails[0]);
+    if !d.dmabuf {
+        return Err(Error::usage(format!(
+            "regMrDmaBuf: device {} ({}) did not claim NCCL_PTR_DMABUF (its INFO line at init says why); \
+             NCCL should register with regMr",
+            d.index, d.dev.domain
+        )));
+    }
+    if ptr_type != props::PTR_CUDA {
+        return Err(Error::usage(format!(
+            "regMrDmaBuf: memory type {ptr_type:#x}: DMA-BUF registration takes CUDA memory (NCCL_PTR_CUDA) only"
+        )));
+    }
+    if fd < 0 {
+        return Err(Error::internal(format!(
+            "regMrDmaBuf: {fd} is not a file descriptor"
+        )));
+    }
+    let dev = cuda_device(data, "regMrDmaBuf")?;
+    // SAFETY: NCCL registers memory it owns and keeps allocated until
+    // deregMr, and keeps `fd` open for this call.
+    register_on(index, &rails, data, size, |r| unsafe {
+        r.mr.register_dmabuf(data as usize, size, dev, fd, offset)
+    })
+}
+
+/// The device and rails of the comm a registration is for, and a check of
+/// its address.
+fn registering(
+    comm: *mut c_void,
+    data: *mut c_void,
+    call: &str,
+) -> Result<(usize, Vec<Arc<DeviceState>>)> {
+    let found = comm_device(comm).ok_or_else(|| {
+        Error::internal(format!(
+            "{call}: {comm:p} is not a live Weft send or receive comm"
+        ))
+    })?;
+    if data.is_null() {
+        return Err(Error::internal(format!("{call}: NULL address")));
+    }
+    Ok(found)
+}
+
+/// The CUDA device whose memory NCCL says `data` is.
+fn cuda_device(data: *mut c_void, call: &str) -> Result<i32> {
+    let drv = crate::gpu::driver().map_err(|e| Error::system(e.to_string()))?;
+    match drv
+        .classify(data)
+        .map_err(|e| Error::internal(format!("{call}: {e}")))?
+    {
+        MemKind::Cuda(dev) => Ok(dev),
+        MemKind::Host => Err(Error::internal(format!(
+            "{call}: NCCL says {data:p} is CUDA memory, but the driver does not know it as device memory"
+        ))),
+    }
+}
+
+/// Registers on every rail with `reg` and returns the memory handle; a
+/// failure on any rail releases what the others registered.
+fn register_on(
+    index: usize,
+    rails: &[Arc<DeviceState>],
+    data: *mut c_void,
+    size: usize,
+    reg: impl Fn(
+        &DeviceState,
+    )
+        -> std::result::Result<Arc<crate::mr::Region<crate::fabric::Mr>>, crate::mr::RegError>,
+) -> Result<*mut c_void> {
     let mut h = MrHandle {
         dev: index,
         addr: data as usize,
@@ -709,9 +869,8 @@ pub fn reg_mr(
         regions: Vec::with_capacity(rails.len()),
         mems: Vec::with_capacity(rails.len()),
     };
-    for r in &rails {
-        // SAFETY: NCCL registers memory it owns and keeps allocated until deregMr.
-        match unsafe { r.mr.register_kind(data as usize, size, kind) } {
+    for r in rails {
+        match reg(r) {
             Ok(region) => {
                 let desc = region.desc();
                 h.mems.push(proto::Mem {

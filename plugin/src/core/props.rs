@@ -10,6 +10,8 @@ use crate::device::Device;
 pub const PTR_HOST: i32 = 0x1;
 /// `NCCL_PTR_CUDA`.
 pub const PTR_CUDA: i32 = 0x2;
+/// `NCCL_PTR_DMABUF`.
+pub const PTR_DMABUF: i32 = 0x4;
 pub use crate::proto::{MAX_RECVS, MAX_REQUESTS};
 /// NCCL's own fallback speed when a NIC reports none (Mbit/s).
 pub const DEFAULT_SPEED_MBPS: i32 = 10_000;

@@ -75,6 +75,11 @@ pub struct Domain {
     /// The length of this domain's endpoint names (learned from the first
     /// endpoint; 0 until then).
     name_len: AtomicUsize,
+    /// Set once the device claimed GPU memory: its endpoints then ask the
+    /// provider not to call CUDA itself (`FI_OPT_CUDA_API_PERMITTED`).
+    gpu_memory: std::sync::atomic::AtomicBool,
+    /// What the provider answered to that, said once per domain.
+    cuda_api_said: std::sync::Once,
     _fabric: Arc<Fabric>,
 }
 
@@ -101,8 +106,26 @@ impl Domain {
             mr_endpoint: Mutex::new(None),
             enabled: Mutex::new(HashSet::new()),
             name_len: AtomicUsize::new(0),
+            gpu_memory: std::sync::atomic::AtomicBool::new(false),
+            cuda_api_said: std::sync::Once::new(),
             _fabric: fabric,
         }))
+    }
+
+    /// Marks the domain as taking GPU memory (before its first endpoint).
+    pub fn set_gpu_memory(&self) {
+        self.gpu_memory.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the domain takes GPU memory.
+    pub fn gpu_memory(&self) -> bool {
+        self.gpu_memory.load(Ordering::Relaxed)
+    }
+
+    /// Runs `say` the first time only (what the provider answered to
+    /// `FI_OPT_CUDA_API_PERMITTED`, logged once per domain).
+    pub(crate) fn say_cuda_api_once(&self, say: impl FnOnce()) {
+        self.cuda_api_said.call_once(say);
     }
 
     /// The `fi_info` this domain was opened with (used again for endpoints).

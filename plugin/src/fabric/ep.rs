@@ -64,6 +64,12 @@ impl Endpoint {
         unsafe {
             check("fi_ep_bind(cq)", fi::fi_ep_bind(ep.ptr, cq.fid(), flags))?;
             check("fi_ep_bind(av)", fi::fi_ep_bind(ep.ptr, av.fid(), 0))?;
+        }
+        if domain.gpu_memory() {
+            forbid_cuda_calls(domain, ep.ptr);
+        }
+        // SAFETY: ep is live and bound.
+        unsafe {
             check("fi_enable", fi::fi_enable(ep.ptr))?;
         }
         let name = ep.name()?;
@@ -321,4 +327,57 @@ impl Drop for Endpoint {
         // Closed before `cq` and `av` (fields drop after this body runs).
         self.shutdown();
     }
+}
+
+/// On a device that takes GPU memory: asks the provider not to call CUDA
+/// itself (`FI_OPT_CUDA_API_PERMITTED` = false, before `fi_enable`), so that
+/// it never does on NCCL's proxy thread, where CUDA calls can deadlock with
+/// NCCL's own. Where libfabric cannot promise that, says why (once per
+/// domain); the endpoint opens either way.
+fn forbid_cuda_calls(domain: &Domain, ep: *mut fi::fid_ep) {
+    let answer = match fi::OPT_CUDA_API_PERMITTED {
+        None => Err(format!(
+            "not known to the headers of libfabric {}.{} Weft was built with (1.18+)",
+            fi::FI_MAJOR_VERSION,
+            fi::FI_MINOR_VERSION
+        )),
+        Some(opt) => {
+            let permitted = false;
+            // SAFETY: `ep` is a live, not yet enabled endpoint; the option
+            // is a bool read during the call.
+            let r = unsafe {
+                fi::fi_setopt(
+                    &raw mut (*ep).fid,
+                    fi::FI_OPT_ENDPOINT as i32,
+                    opt,
+                    (&raw const permitted).cast(),
+                    std::mem::size_of::<bool>(),
+                )
+            };
+            match -r as u32 {
+                0 => Ok(()),
+                fi::FI_EOPNOTSUPP => Err(
+                    "the provider calls CUDA itself (it copies through the host); NCCL's proxy thread may \
+                     then make CUDA calls: if NCCL hangs, disable GPUDirect with NCCL_NET_GDR_LEVEL=LOC"
+                        .to_owned(),
+                ),
+                fi::FI_EINVAL => Err("this libfabric has no CUDA support, so there is nothing to forbid".to_owned()),
+                _ => Err(format!(
+                    "the provider does not take the option ({})",
+                    super::error::FiError::new("fi_setopt", i64::from(r))
+                )),
+            }
+        }
+    };
+    let provider = domain.info().provider();
+    domain.say_cuda_api_once(|| match answer {
+        Ok(()) => tracing::info!(
+            target: "weft::init",
+            "{provider}: FI_OPT_CUDA_API_PERMITTED = false accepted: the provider will not call CUDA"
+        ),
+        Err(why) => tracing::info!(
+            target: "weft::init",
+            "{provider}: FI_OPT_CUDA_API_PERMITTED not set: {why}"
+        ),
+    });
 }

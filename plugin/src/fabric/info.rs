@@ -81,7 +81,7 @@ impl InfoList {
         // SAFETY: hints is a valid fi_info; `out` receives a list we own.
         let ret = unsafe {
             fi::fi_getinfo(
-                libfabric_sys::WEFT_FI_VERSION,
+                libfabric_sys::api_version(),
                 ptr::null(),
                 ptr::null(),
                 0,

@@ -80,28 +80,57 @@ impl Mr {
             // SAFETY: forwarded contract.
             return unsafe { Self::register(domain, addr, len, access) };
         };
-        let iov = libc::iovec {
+        let iov = fi::iovec {
             iov_base: addr as *mut libc::c_void,
             iov_len: len,
         };
-        let mut attr = fi::fi_mr_attr {
-            mr_iov: (&raw const iov).cast(),
-            iov_count: 1,
-            access,
-            requested_key: domain.requested_key(),
-            ..Default::default()
-        };
-        if test_hmem_as_system() {
-            attr.iface = fi::fi_hmem_iface_FI_HMEM_SYSTEM;
-        } else {
-            attr.iface = fi::fi_hmem_iface_FI_HMEM_CUDA;
-            attr.device.cuda = dev;
-        }
+        let mut attr = device_attr(domain, access, dev);
+        fi::set_mr_iov(&mut attr, &iov);
+        attr.iov_count = 1;
         let mut ptr = ptr::null_mut();
         // SAFETY: `attr` and `iov` outlive the call; the caller keeps the
         // range allocated; `ptr` receives the MR.
         check("fi_mr_regattr", unsafe {
             fi::fi_mr_regattr(domain.raw(), &attr, 0, &mut ptr)
+        })?;
+        Self::registered(domain, ptr)
+    }
+
+    /// Registers `len` bytes of device `dev`'s memory at `addr` through the
+    /// DMA-BUF `fd` that holds them, from `offset` on (`FI_MR_DMABUF`; NCCL's
+    /// `regMrDmaBuf`). `-FI_ENOSYS` where the headers Weft was built with
+    /// have no DMA-BUF registration (libfabric before 1.20).
+    ///
+    /// # Safety
+    /// As for [`Mr::register`]; `fd` is open for the call.
+    pub unsafe fn register_dmabuf(
+        domain: &Arc<Domain>,
+        addr: *const u8,
+        len: usize,
+        access: u64,
+        dev: i32,
+        fd: i32,
+        offset: u64,
+    ) -> Result<Self, FiError> {
+        let mut attr = device_attr(domain, access, dev);
+        // The DMA-BUF's start in this address space, so that base_addr +
+        // offset is `addr` (what peers write to with FI_MR_VIRT_ADDR).
+        let base = (addr as u64).checked_sub(offset).ok_or_else(|| FiError {
+            call: "fi_mr_regattr",
+            code: fi::FI_EINVAL,
+            text: format!("DMA-BUF offset {offset} is larger than the address {addr:p} it is at"),
+        })?;
+        let range = fi::DmabufRange {
+            fd,
+            offset,
+            len,
+            base_addr: base as *mut libc::c_void,
+        };
+        let mut ptr = ptr::null_mut();
+        // SAFETY: `attr` outlives the call; the caller keeps the memory
+        // allocated and `fd` open; `ptr` receives the MR.
+        check("fi_mr_regattr(FI_MR_DMABUF)", unsafe {
+            fi::mr_regattr_dmabuf(domain.raw(), &mut attr, &range, 0, &mut ptr)
         })?;
         Self::registered(domain, ptr)
     }
@@ -164,6 +193,24 @@ impl Mr {
         // SAFETY: `ptr` is a live MR.
         unsafe { fi::fi_mr_key(self.ptr) }
     }
+}
+
+/// The attributes of a registration of device `dev`'s memory (its memory
+/// not yet set): `iface = FI_HMEM_CUDA` and the device, or with
+/// `WEFT_TEST_HMEM=system` host memory (see [`Mr::register_kind`]).
+fn device_attr(domain: &Domain, access: u64, dev: i32) -> fi::fi_mr_attr {
+    let mut attr = fi::fi_mr_attr {
+        access,
+        requested_key: domain.requested_key(),
+        ..Default::default()
+    };
+    if test_hmem_as_system() {
+        attr.iface = fi::fi_hmem_iface_FI_HMEM_SYSTEM;
+    } else {
+        attr.iface = fi::fi_hmem_iface_FI_HMEM_CUDA;
+        attr.device.cuda = dev;
+    }
+    attr
 }
 
 /// `FI_MR_ALLOCATED` honoured by Weft itself (`WEFT_TEST_MR_MODE=allocated`):
@@ -230,14 +277,32 @@ impl Registrar for DomainRegistrar {
         kind: MemKind,
     ) -> Result<Option<(Mr, MrDesc)>, String> {
         // SAFETY: forwarded contract: the range stays allocated while the Mr lives.
-        let mr = unsafe { Mr::register_kind(&self.0, ptr.as_ptr(), len, ACCESS_ALL, kind) }
-            .map_err(|e| e.to_string())?;
-        let d = MrDesc {
-            desc: mr.desc(),
-            key: mr.key(),
-        };
-        Ok(Some((mr, d)))
+        let mr = unsafe { Mr::register_kind(&self.0, ptr.as_ptr(), len, ACCESS_ALL, kind) };
+        described(mr)
     }
+    unsafe fn register_dmabuf(
+        &self,
+        ptr: std::ptr::NonNull<u8>,
+        len: usize,
+        dev: i32,
+        fd: i32,
+        offset: u64,
+    ) -> Result<Option<(Mr, MrDesc)>, String> {
+        // SAFETY: forwarded contract.
+        let mr =
+            unsafe { Mr::register_dmabuf(&self.0, ptr.as_ptr(), len, ACCESS_ALL, dev, fd, offset) };
+        described(mr)
+    }
+}
+
+/// A registration with the descriptor a freelist or cache keeps of it.
+fn described(mr: Result<Mr, FiError>) -> Result<Option<(Mr, MrDesc)>, String> {
+    let mr = mr.map_err(|e| e.to_string())?;
+    let d = MrDesc {
+        desc: mr.desc(),
+        key: mr.key(),
+    };
+    Ok(Some((mr, d)))
 }
 
 /// Registers a freelist's blocks as memory of one kind (a GPU-backed

@@ -8,9 +8,10 @@
 //! weft-gpu-probe classify    pointers of host and device memory, and a
 //!                            device ordinal the driver does not list
 //! weft-gpu-probe freelist    a GPU-backed freelist growing, then failing
-//! weft-gpu-probe transfer    regMr(CUDA), send/recv between device buffers,
-//!                            a registered GPU freelist, iflush; needs a
-//!                            device that claims CUDA
+//! weft-gpu-probe transfer    regMr(CUDA) (and regMrDmaBuf where claimed),
+//!                            send/recv between device buffers, a registered
+//!                            GPU freelist, iflush; needs a device that
+//!                            claims CUDA
 //! ```
 //!
 //! Each prints `key value` lines; errors print `error ...` and exit 1.
@@ -54,11 +55,7 @@ fn run(mode: &str) -> Result<(), String> {
                     p.ptr_support, s.eager_size
                 );
             }
-            for l in weft_tests::capture::lines() {
-                if l.text.contains("ptrSupport") || l.text.contains("GPU memory") {
-                    println!("log {}", l.text);
-                }
-            }
+            print_gpu_log();
             core::finalize(ctx).map_err(|e| e.to_string())
         }
         "classify" => {
@@ -136,10 +133,16 @@ fn transfer() -> Result<(), String> {
     println!("ptrSupport {:#x}", p.ptr_support);
     println!("protocol {}", core::protocol_name().map_err(e)?);
     let d = gpu::driver().map_err(|e| e.to_string())?;
+    let dmabuf = p.ptr_support & props::PTR_DMABUF != 0;
     let (s, r) = host::pair(ctx);
     const LEN: usize = 256 << 10;
+    // The receive buffer starts OFF bytes into its allocation, so that a
+    // DMA-BUF of the allocation names it by a non-zero offset, as NCCL's do.
+    const OFF: usize = 4096;
     let src = d.alloc(0, LEN)?;
-    let dst = d.alloc(0, LEN)?;
+    let alloc = d.alloc(0, OFF + LEN)?;
+    // SAFETY: inside the allocation.
+    let dst = unsafe { alloc.add(OFF) };
     // The fake driver's device memory is host memory: the test may fill and
     // read it (what only the test does; Weft never touches it).
     // SAFETY: LEN bytes each, allocated above.
@@ -154,7 +157,39 @@ fn transfer() -> Result<(), String> {
     }
     dst_b.fill(0);
     let smh = core::reg_mr(s, src.as_ptr().cast(), LEN, props::PTR_CUDA).map_err(e)?;
-    let rmh = core::reg_mr(r, dst.as_ptr().cast(), LEN, props::PTR_CUDA).map_err(e)?;
+    // The receive buffer through regMrDmaBuf where the device claims it (a
+    // wrong base address would make the peer's writes miss the registration).
+    let rmh = if dmabuf {
+        use std::os::fd::AsRawFd;
+        let fd = d.dmabuf_fd(alloc, OFF + LEN)?;
+        for (what, ty, fd) in [
+            ("host type", props::PTR_HOST, fd.as_raw_fd()),
+            ("bad fd", props::PTR_CUDA, -1),
+        ] {
+            match core::reg_mr_dma_buf(r, dst.as_ptr().cast(), LEN, ty, OFF as u64, fd) {
+                Ok(_) => println!("dmabuf {what} registered"),
+                Err(err) => println!("dmabuf {what} refused: {err}"),
+            }
+        }
+        let mh = core::reg_mr_dma_buf(
+            r,
+            dst.as_ptr().cast(),
+            LEN,
+            props::PTR_CUDA,
+            OFF as u64,
+            fd.as_raw_fd(),
+        )
+        .map_err(e)?;
+        println!("receive buffer registered through a DMA-BUF at offset {OFF}");
+        mh
+    } else {
+        if let Err(err) =
+            core::reg_mr_dma_buf(r, dst.as_ptr().cast(), LEN, props::PTR_CUDA, OFF as u64, 0)
+        {
+            println!("dmabuf refused: {err}");
+        }
+        core::reg_mr(r, dst.as_ptr().cast(), LEN, props::PTR_CUDA).map_err(e)?
+    };
     let host_buf = vec![0u8; 4096];
     match core::reg_mr(s, host_buf.as_ptr() as *mut c_void, 4096, props::PTR_CUDA) {
         Ok(_) => println!("host-as-cuda registered"),
@@ -214,10 +249,29 @@ fn transfer() -> Result<(), String> {
     // SAFETY: deregistered; not used again.
     unsafe {
         d.free(0, src);
-        d.free(0, dst);
+        d.free(0, alloc);
     }
+    print_gpu_log();
     core::finalize(ctx).map_err(e)?;
     Ok(())
+}
+
+/// The log lines in which Weft says what it claims of GPU memory and why.
+fn print_gpu_log() {
+    for l in weft_tests::capture::lines() {
+        let t = &l.text;
+        if [
+            "ptrSupport",
+            "GPU memory",
+            "DMA-BUF",
+            "FI_OPT_CUDA_API_PERMITTED",
+        ]
+        .iter()
+        .any(|k| t.contains(k))
+        {
+            println!("log {t}");
+        }
+    }
 }
 
 fn main() {
