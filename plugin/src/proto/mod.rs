@@ -313,7 +313,7 @@ pub fn choose(
         (P::SendRecv, _) => Ok((sendrecv, "WEFT_PROTOCOL=sendrecv".to_owned())),
         (P::Rdma, Ok(why)) => Ok((rdma, format!("WEFT_PROTOCOL=rdma; {why}"))),
         (P::Rdma, Err(why)) => Err(format!(
-            "WEFT_PROTOCOL=rdma, but the RDMA protocol needs FI_RMA with at least 4 bytes of remote CQ data: {why}. \
+            "WEFT_PROTOCOL=rdma, but the RDMA protocol (FI_RMA with at least 4 bytes of remote CQ data) cannot run here: {why}. \
              Use WEFT_PROTOCOL=auto (or sendrecv) with this provider"
         )),
         (P::Auto, Ok(why)) => Ok((rdma, format!("auto: {why}"))),
