@@ -182,24 +182,18 @@ fn a_gpu_without_its_cubins_keeps_the_newest_ptx_it_can_compile() {
     let Some((lib, tool)) = inputs() else { return };
     let dir = scratch("ptx");
     // Blackwell (sm_100) against NCCL 2.23.4: no cubin of major 10, so what
-    // such a GPU would load is the compute_90 PTX, JIT-compiled.
-    let pruned = dir.join("sm100.so");
-    assert!(prune(&lib, &pruned, 100).status.success());
-    let files = listing(&tool, &pruned);
-    assert!(!files.is_empty());
-    assert!(
-        files.iter().all(|(a, k)| a == "sm_90" && k == "ptx"),
-        "{files:?}"
-    );
-    // Ada (sm_89): sm_80 cubins run there; PTX is not needed.
-    let pruned = dir.join("sm89.so");
-    assert!(prune(&lib, &pruned, 89).status.success());
-    let files = listing(&tool, &pruned);
-    assert!(!files.is_empty());
-    assert!(
-        files.iter().all(|(a, k)| a == "sm_80" && k == "cubin"),
-        "{files:?}"
-    );
+    // such a GPU would load is the compute_90 PTX, JIT-compiled. Ada (sm_89):
+    // sm_80 cubins run there; PTX is not needed.
+    for (arch, want_arch, want_kind) in [(100, "sm_90", "ptx"), (89, "sm_80", "cubin")] {
+        let pruned = dir.join(format!("sm{arch}.so"));
+        assert!(prune(&lib, &pruned, arch).status.success());
+        let files = listing(&tool, &pruned);
+        assert!(!files.is_empty(), "sm_{arch}: nothing kept");
+        assert!(
+            files.iter().all(|(a, k)| a == want_arch && k == want_kind),
+            "sm_{arch}: {files:?}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -28,7 +28,7 @@ for nccl in "$here"/nccl-*; do
     done
     wait -n || status=1
     wait || status=1
-    grep -h -E "NET/Plugin|Using network|via NET|NET/Weft : device|ptrSupport|Algo|Protocol" "$log"/out.* "$log"/err.* |
+    grep -h -E "NET/Plugin|Using network|via NET|NET/Weft : device|ptrSupport|DMA-BUF|FI_OPT_CUDA_API_PERMITTED|Algo|Protocol" "$log"/out.* "$log"/err.* |
       sed 's/^[^ ]* [^ ]* //' | sort -u | head -40
     grep -v "NCCL INFO" "$log/out.0"
     if ! grep -q "via NET/Weft" "$log"/out.* "$log"/err.*; then

@@ -2,7 +2,8 @@
 # Stages Weft's real-NCCL GPU check (README, "GPU memory") into
 # target/gpu-check/: NCCL from the PyPI wheels (2.18.3, 2.23.4 and the
 # newest, or WEFT_GPU_CHECK_NCCL="x.y.z ..."), the CUDA runtime from its
-# wheel (its headers with the nvcc wheel's), Weft's release .so, the libfabric runtime it links (and that
+# wheel (its headers with the nvcc wheel's), libfabric 2.1 built here with
+# CUDA loaded at run time, Weft's release .so built against it (and that
 # library's own non-system dependencies), the check program built here
 # against the wheels' headers, and run.sh. NCCL's device code is cut to the
 # one GPU architecture of the target machine (WEFT_GPU_CHECK_ARCH, default 90:
@@ -18,6 +19,7 @@ versions=${WEFT_GPU_CHECK_NCCL:-"2.18.3 2.23.4 2.32.3"}
 cudart=${WEFT_GPU_CHECK_CUDART:-12.9.79}
 nvcc=${WEFT_GPU_CHECK_NVCC:-12.9.86}
 cccl=${WEFT_GPU_CHECK_CCCL:-12.9.27}
+nvml=${WEFT_GPU_CHECK_NVML:-12.9.79}
 arch=${WEFT_GPU_CHECK_ARCH:-90}
 pipdl() {
   python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
@@ -34,6 +36,8 @@ unzip -q -o "$out"/wheels/nvidia_cuda_runtime_cu12-"$cudart"-*.whl 'nvidia/cuda_
 unzip -q -o "$out"/wheels/nvidia_cuda_nvcc_cu12-"$nvcc"-*.whl 'nvidia/cuda_nvcc/include/*' -d "$out/build"
 unzip -q -o "$out"/wheels/nvidia_cuda_cccl_cu12-"$cccl"-*.whl 'nvidia/cuda_cccl/include/*' -d "$out/build"
 cp -L "$out/build/nvidia/cuda_runtime/lib/libcudart.so.12" "$out/stage/lib/"
+# libfabric's CUDA support dlopens the runtime by its unversioned name.
+ln -sf libcudart.so.12 "$out/stage/lib/libcudart.so"
 newest=""
 for v in $versions; do
   pipdl "nvidia-nccl-cu12==$v"
@@ -52,10 +56,20 @@ ln -sf libcudart.so.12 "$out/build/nvidia/cuda_runtime/lib/libcudart.so"
 gcc -O2 -Wall -o "$out/stage/bin/nccl_check" tools/gpu-check/nccl_check.c \
   -I "$out/build/nvidia/cuda_runtime/include" -I "$out/build/nvidia/cuda_nvcc/include" -I "$out/build/nvidia/cuda_cccl/include" -I "$inc" \
   -L "$out/build/nvidia/cuda_runtime/lib" -L "$out/build/nccl-$newest/nvidia/nccl/lib" -lcudart -lnccl
+# libfabric with CUDA: Debian's has none, so GPUDirect needs our own build.
+# Debian 13's libfabric 2.1 (./weft build-libfabric2), CUDA loaded at run time
+# (--enable-cuda-dlopen), compiled against the wheels' headers (nvml.h from
+# the nvml-dev wheel). Weft is built against its headers, so DMA-BUF and
+# FI_OPT_CUDA_API_PERMITTED are in.
+pipdl "nvidia-nvml-dev-cu12==$nvml"
+unzip -q -o "$out"/wheels/nvidia_nvml_dev_cu12-"$nvml"-*.whl 'nvidia/nvml_dev/include/*' -d "$out/build"
+lf="$PWD/$out/libfabric-cuda"
+./weft build-libfabric2 "$lf" --with-cuda="$PWD/$out/build/nvidia/cuda_runtime" --enable-cuda-dlopen \
+  CPPFLAGS="-I$PWD/$out/build/nvidia/cuda_nvcc/include -I$PWD/$out/build/nvidia/nvml_dev/include"
 # Weft, and what it links beyond the C library (libfabric and its providers' dependencies).
-cargo build -q --release -p weft
-cp target/release/libnccl_net_weft.so "$out/stage/lib/libnccl-net-weft.so"
-ldd "$out/stage/lib/libnccl-net-weft.so" | awk '/=> \// { print $3 }' |
+PKG_CONFIG_PATH="$lf/lib/pkgconfig" CARGO_TARGET_DIR="$PWD/$out/cargo" cargo build -q --release -p weft
+cp "$out/cargo/release/libnccl_net_weft.so" "$out/stage/lib/libnccl-net-weft.so"
+LD_LIBRARY_PATH="$lf/lib" ldd "$out/stage/lib/libnccl-net-weft.so" | awk '/=> \// { print $3 }' |
   grep -Ev '/(libc|libm|libdl|libpthread|librt|libgcc_s|ld-linux[^/]*)\.so' |
   while read -r lib; do cp -L "$lib" "$out/stage/lib/"; done
 cp tools/gpu-check/run.sh "$out/stage/run.sh"
