@@ -120,10 +120,7 @@ fn a_gpu_freelist_grows_then_fails_cleanly() {
 /// copies off, a registered GPU freelist, and iflush calling the driver.
 #[test]
 fn cuda_buffers_end_to_end_with_emulated_hmem() {
-    // libfabric 2.x's shm stalls Weft's RDMA writes (Weft then refuses
-    // WEFT_PROTOCOL=rdma there): shm runs sendrecv with such a libfabric.
-    let shm = if libfabric_2() { "sendrecv" } else { "rdma" };
-    for (provider, protocol) in [("shm", shm), ("tcp", "rdma"), ("tcp", "sendrecv")] {
+    for (provider, protocol) in [("shm", "rdma"), ("tcp", "rdma"), ("tcp", "sendrecv")] {
         let out = probe(
             "transfer",
             Some(FAKE),
@@ -186,11 +183,6 @@ fn cuda_buffers_end_to_end_with_emulated_hmem() {
         assert!(out.contains("iflush request None flushes 1"), "{what}");
         assert!(out.contains("eager 0 mr_entries 2"), "{what}");
     }
-}
-
-/// Whether the running libfabric is 2.x or newer.
-fn libfabric_2() -> bool {
-    libfabric_sys::running_version() >= libfabric_sys::make_version(2, 0)
 }
 
 /// Whether the headers Weft was built with and the running libfabric both

@@ -35,18 +35,9 @@ fn version_matrix() {
                 .expect("run weft-demo");
             let text = String::from_utf8_lossy(&out.stdout);
             let last = text.lines().last().unwrap_or("").to_owned();
-            let refused = p == "shm" && proto == "rdma" && shm_refuses_rdma();
             let cell = match last.strip_prefix("checks ") {
-                Some(n) if out.status.success() && !refused => {
+                Some(n) if out.status.success() => {
                     format!("pass ({n}, {:.1} s)", t.elapsed().as_secs_f64())
-                }
-                // libfabric 2.x's shm stalls RDMA writes: Weft refuses
-                // WEFT_PROTOCOL=rdma there at init, which is the check.
-                _ if refused
-                    && !out.status.success()
-                    && last.contains("init(first communicator)") =>
-                {
-                    "refused (2.x shm)".to_owned()
                 }
                 _ => {
                     failures.push(format!(
@@ -81,10 +72,4 @@ fn version_matrix() {
         "failing cells:\n{}",
         failures.join("\n\n")
     );
-}
-
-/// Whether the running libfabric is one whose shm Weft runs only with
-/// sendrecv (2.x: see the README, "GPU memory").
-fn shm_refuses_rdma() -> bool {
-    libfabric_sys::running_version() >= libfabric_sys::make_version(2, 0)
 }

@@ -12,6 +12,15 @@ use super::error::{check, strerror, FiError};
 /// One successful completion.
 pub type Completion = fi::fi_cq_tagged_entry;
 
+/// Whether `c` reports a peer's write into this endpoint's memory, for a
+/// user that sends no message with remote CQ data (as Weft does not): the
+/// data flag alone says so. libfabric 2.x's shm reports only
+/// `FI_REMOTE_CQ_DATA` for such a write (`FI_RMA | FI_REMOTE_WRITE` need
+/// `FI_RMA_EVENT`); 1.17 and rxm report all three.
+pub fn is_remote_write(c: &Completion) -> bool {
+    c.flags & (u64::from(fi::FI_REMOTE_WRITE) | fi::FI_REMOTE_CQ_DATA as u64) != 0
+}
+
 /// A completion that finished with an error (`fi_cq_readerr`).
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("operation failed: {text} (fi errno {err}, provider says: {prov_text}); {len} of the data moved, {olen} bytes did not fit")]

@@ -18,7 +18,7 @@ pub mod local;
 mod mr;
 
 pub use av::{Av, FiAddr};
-pub use cq::{Completion, CompletionError, Cq, CqError};
+pub use cq::{is_remote_write, Completion, CompletionError, Cq, CqError};
 pub use domain::{Domain, Fabric};
 pub use ep::Endpoint;
 pub use error::{strerror, FiError};

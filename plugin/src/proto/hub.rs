@@ -314,7 +314,7 @@ fn on_done(
     ep: &Endpoint,
     deliver: impl Fn(u32, Ev),
 ) -> Result<()> {
-    if c.flags & u64::from(fi::FI_REMOTE_WRITE) != 0 {
+    if crate::fabric::is_remote_write(c) {
         // The size comes from the immediate or a control message, never
         // from `len` (0 for a remote write on tcp;ofi_rxm 1.17).
         let imm = c.data as u32;

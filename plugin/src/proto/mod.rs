@@ -279,19 +279,6 @@ pub fn choose(
     let provider = devices.first().map_or("", |d| d.provider.as_str());
     let rma = if devices.is_empty() {
         Err("no device".to_owned())
-    } else if provider == crate::fabric::provider::SHM
-        && libfabric_sys::running_version() >= libfabric_sys::make_version(2, 0)
-    {
-        // Measured with libfabric 2.1 (Debian 13's source): every RDMA write
-        // of 4 KiB or more over shm stalls, in one process and between two,
-        // whatever the addressing mode; sendrecv runs. Cause not found yet.
-        Err(format!(
-            "libfabric {}'s shm stalls Weft's RDMA writes (known problem of libfabric 2.x shm with Weft)",
-            {
-                let v = libfabric_sys::running_version();
-                format!("{}.{}", v >> 16, v & 0xffff)
-            }
-        ))
     } else if devices
         .iter()
         .all(|d| d.rma.qualifies() && d.rma_info.is_some())

@@ -198,7 +198,7 @@ impl Raw {
             loop {
                 let n = ep.cq().read(&mut c).map_err(|e| format!("raw cq: {e:?}"))?;
                 for comp in &c[..n] {
-                    if comp.flags & u64::from(libfabric_sys::FI_REMOTE_WRITE) != 0 {
+                    if weft::fabric::is_remote_write(comp) {
                         let tag = (comp.data as usize).min(4);
                         self.landed[tag] += 1;
                         let landed = self.landed;
