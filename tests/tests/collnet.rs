@@ -217,7 +217,17 @@ fn served_after<T: Send + 'static>(
                 let ctx = host::init_logged(provider);
                 let mut r = Reducer::new(ctx, 0).expect("reducer");
                 tx.send((k, r.handle())).unwrap();
-                r.run(|_| stop.load(Ordering::Relaxed));
+                // Once the ranks are done, the reducer still sees its groups
+                // to their end (the last operation's sends complete, the
+                // goodbyes arrive), so its counts are whole; within reason.
+                let mut since: Option<std::time::Instant> = None;
+                r.run(|r| {
+                    if !stop.load(Ordering::Relaxed) {
+                        return false;
+                    }
+                    let t = *since.get_or_insert_with(std::time::Instant::now);
+                    r.groups() == 0 || t.elapsed() > std::time::Duration::from_secs(30)
+                });
                 let s = r.stats();
                 drop(r);
                 core::finalize(ctx).unwrap();

@@ -151,3 +151,36 @@ impl Drop for Cq {
         close_fid(self.fid(), "cq");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(flags: u64) -> Completion {
+        Completion {
+            flags,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_peer_write_is_known_by_its_data_flag_or_its_write_flag() {
+        let (rma, write, data) = (
+            u64::from(fi::FI_RMA),
+            u64::from(fi::FI_REMOTE_WRITE),
+            fi::FI_REMOTE_CQ_DATA as u64,
+        );
+        // libfabric 1.17 (shm, rxm): all three; 2.x shm: the data flag alone.
+        assert!(is_remote_write(&with(rma | write | data)));
+        assert!(is_remote_write(&with(data)));
+        // Weft's own operations: sends, tagged and control receives, writes.
+        for own in [
+            u64::from(fi::FI_SEND) | u64::from(fi::FI_TAGGED),
+            u64::from(fi::FI_RECV) | u64::from(fi::FI_TAGGED),
+            u64::from(fi::FI_RECV) | u64::from(fi::FI_MSG),
+            rma | u64::from(fi::FI_WRITE),
+        ] {
+            assert!(!is_remote_write(&with(own)), "{own:#x}");
+        }
+    }
+}
