@@ -20,16 +20,22 @@ pub struct Cluster {
 }
 
 fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("running ip: {e} (is iproute2 installed?)"))?;
+    run(
+        Command::new("ip").args(args),
+        &format!("ip {}", args.join(" ")),
+        " (is iproute2 installed? these tests make network namespaces: run them as root)",
+    )
+}
+
+/// Runs `cmd` (described as `what`) to success; its stderr (and `hint`)
+/// otherwise.
+fn run(cmd: &mut Command, what: &str, hint: &str) -> Result<(), String> {
+    let out = cmd.output().map_err(|e| format!("{what}: {e}{hint}"))?;
     if out.status.success() {
         Ok(())
     } else {
         Err(format!(
-            "ip {}: {} (these tests make network namespaces: run them as root)",
-            args.join(" "),
+            "{what}: {}{hint}",
             String::from_utf8_lossy(&out.stderr).trim()
         ))
     }
@@ -126,20 +132,13 @@ impl Cluster {
     /// a congested link. This kernel has tbf, but not netem (random loss,
     /// delay, reordering) nor any tc action to drop with.
     pub fn shape(&self, h: usize, r: usize, rate: &str, limit: u32) -> Result<(), String> {
-        let out = self
-            .command(h, "tc")
-            .args(["qdisc", "replace", "dev", &format!("r{r}"), "root", "tbf"])
-            .args(["rate", rate, "burst", "16kb", "limit", &limit.to_string()])
-            .output()
-            .map_err(|e| format!("tc: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "tc qdisc ... tbf on host {h} rail {r}: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ))
-        }
+        run(
+            self.command(h, "tc")
+                .args(["qdisc", "replace", "dev", &format!("r{r}"), "root", "tbf"])
+                .args(["rate", rate, "burst", "16kb", "limit", &limit.to_string()]),
+            &format!("tc qdisc ... tbf on host {h} rail {r}"),
+            "",
+        )
     }
 
     /// Packets the queue of host `h`'s rail `r` dropped so far.
