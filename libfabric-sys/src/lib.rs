@@ -48,6 +48,11 @@ pub const HAS_OPT_CUDA_API_PERMITTED: bool = cfg!(fi_opt_cuda_api_permitted);
 /// The version of the headers these bindings come from.
 pub const HEADERS_FI_VERSION: u32 = make_version(FI_MAJOR_VERSION, FI_MINOR_VERSION);
 
+/// A version number (`FI_VERSION(major, minor)`) as "major.minor".
+pub fn version_text(v: u32) -> String {
+    format!("{}.{}", v >> 16, v & 0xffff)
+}
+
 /// The version of the libfabric running in this process.
 pub fn running_version() -> u32 {
     // SAFETY: fi_version takes no arguments and only reads a constant.

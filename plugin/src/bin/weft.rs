@@ -206,8 +206,7 @@ fn report(lib: &Lib) -> Result<Value, String> {
             })
             .collect::<Vec<_>>(),
     });
-    // SAFETY: a plain query of the loaded libfabric.
-    let v = unsafe { libfabric_sys::fi_version() };
+    let v = libfabric_sys::running_version();
     let providers: Vec<Value> = providers
         .into_iter()
         .map(|r| {
@@ -233,10 +232,10 @@ fn report(lib: &Lib) -> Result<Value, String> {
     Ok(json!({
         "weft": env!("CARGO_PKG_VERSION"),
         "library": lib.path,
-        "libfabric": version(v),
-        "libfabric_needed": version(libfabric_sys::WEFT_FI_VERSION),
-        "libfabric_headers": version(libfabric_sys::HEADERS_FI_VERSION),
-        "libfabric_api": version(libfabric_sys::api_version()),
+        "libfabric": libfabric_sys::version_text(v),
+        "libfabric_needed": libfabric_sys::version_text(libfabric_sys::WEFT_FI_VERSION),
+        "libfabric_headers": libfabric_sys::version_text(libfabric_sys::HEADERS_FI_VERSION),
+        "libfabric_api": libfabric_sys::version_text(libfabric_sys::api_version()),
         "configuration": config,
         "providers": providers,
         "protocol": format!("{} ({why})", protocol.name()),
@@ -339,9 +338,4 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// A libfabric version number as "major.minor".
-fn version(v: u32) -> String {
-    format!("{}.{}", v >> 16, v & 0xffff)
 }

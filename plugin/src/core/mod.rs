@@ -349,7 +349,7 @@ fn gpu_claim(
 fn dmabuf_claim(domain: &Arc<Domain>, gpu: i32) -> std::result::Result<(), String> {
     use crate::fabric::{Mr, ACCESS_ALL};
     use std::os::fd::AsRawFd;
-    let v = |v: u32| format!("{}.{}", v >> 16, v & 0xffff);
+    let v = libfabric_sys::version_text;
     if !libfabric_sys::HAS_MR_DMABUF {
         return Err(format!(
             "Weft was built with the headers of libfabric {}, which has no FI_MR_DMABUF (1.20+); \

@@ -337,9 +337,8 @@ impl Drop for Endpoint {
 fn forbid_cuda_calls(domain: &Domain, ep: *mut fi::fid_ep) {
     let answer = match fi::OPT_CUDA_API_PERMITTED {
         None => Err(format!(
-            "not known to the headers of libfabric {}.{} Weft was built with (1.18+)",
-            fi::FI_MAJOR_VERSION,
-            fi::FI_MINOR_VERSION
+            "not known to the headers of libfabric {} Weft was built with (1.18+)",
+            fi::version_text(fi::HEADERS_FI_VERSION)
         )),
         Some(opt) => {
             let permitted = false;

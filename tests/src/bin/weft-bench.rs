@@ -1397,13 +1397,10 @@ fn run() -> Res<()> {
         })
         .unwrap_or_default();
     let load_after = weft_tests::load_average();
-    // SAFETY: fi_version takes no arguments.
-    let fv = unsafe { libfabric_sys::fi_version() };
     let header = format!(
-        "weft-bench {} UTC; {cpus} CPUs ({model}); libfabric {}.{}; table v{version}; {} rep(s) per point, raw and Weft alternating; load average {load_before} (start), {load_after} (end); {:.0} s",
+        "weft-bench {} UTC; {cpus} CPUs ({model}); libfabric {}; table v{version}; {} rep(s) per point, raw and Weft alternating; load average {load_before} (start), {load_after} (end); {:.0} s",
         sh("date", &["-u", "+%Y-%m-%d %H:%M"]),
-        fv >> 16,
-        fv & 0xffff,
+        libfabric_sys::version_text(libfabric_sys::running_version()),
         reps,
         started.elapsed().as_secs_f64()
     );

@@ -342,12 +342,9 @@ fn main() -> ExitCode {
     }
 
     let start = Instant::now();
-    // SAFETY: fi_version takes no arguments.
-    let v = unsafe { libfabric_sys::fi_version() };
     println!(
-        "Weft demo: libfabric {}.{}, provider {provider}{}, plugin {}",
-        v >> 16,
-        v & 0xffff,
+        "Weft demo: libfabric {}, provider {provider}{}, plugin {}",
+        libfabric_sys::version_text(libfabric_sys::running_version()),
         if provider.starts_with("tcp") {
             " on lo"
         } else {
