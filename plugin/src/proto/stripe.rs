@@ -295,7 +295,10 @@ impl Members {
                 continue;
             }
             let (rail, id) = self.ids[i];
-            if let Some(d) = rails[usize::from(rail)].test(id)? {
+            if let Some(d) = rails[usize::from(rail)]
+                .test(id)
+                .map_err(on_rail(usize::from(rail)))?
+            {
                 self.done |= 1 << i;
                 self.bytes += d.sizes[..d.n].iter().sum::<usize>();
             }
@@ -324,10 +327,16 @@ fn broken(failed: &mut Option<Error>, e: Error) -> Error {
 /// that rail had anything in flight.
 fn rails_alive<C: Comm + ?Sized>(rails: &[Arc<C>]) -> Result<()> {
     for (r, rail) in rails.iter().enumerate() {
-        rail.alive()
-            .map_err(|e| e.context(format!("virtual device, rail {r}")))?;
+        rail.alive().map_err(on_rail(r))?;
     }
     Ok(())
+}
+
+/// Names the rail in an error of one of its member comms: every error a
+/// member returns goes through it, so whichever call sees a rail fail first,
+/// the operator learns which rail.
+fn on_rail(r: usize) -> impl FnOnce(Error) -> Error {
+    move |e| e.context(format!("virtual device, rail {r}"))
 }
 
 fn peer_names<C: Comm + ?Sized>(rails: &[Arc<C>]) -> String {
@@ -556,7 +565,7 @@ impl StripedSend {
                 // lies in NCCL's buffer, which NCCL keeps until the request
                 // is done (the core checked it against its registration).
                 let id = unsafe { rail.isend(ptr, len, req.tag, &[mem], std::ptr::null_mut()) }
-                    .map_err(|e| e.context(format!("rail {r}")))?;
+                    .map_err(on_rail(r))?;
                 let Some(id) = id else { break };
                 st.queues[r].pop_front();
                 if let Some(q) = st.reqs.get_mut(post.slot) {
@@ -587,9 +596,7 @@ impl Sender for StripedSend {
     fn step_connect(&self) -> Result<bool> {
         let mut all = true;
         for (r, rail) in self.rails.iter().enumerate() {
-            all &= rail
-                .step_connect()
-                .map_err(|e| e.context(format!("virtual device, rail {r}")))?;
+            all &= rail.step_connect().map_err(on_rail(r))?;
         }
         Ok(all)
     }
@@ -735,8 +742,7 @@ impl StripedRecv {
                 // SAFETY: a header slot lives as long as the comm; a part
                 // lies in NCCL's buffer (cut to its capacity), which NCCL
                 // keeps until the request is done.
-                let id =
-                    unsafe { rail.irecv(&[buf]) }.map_err(|e| e.context(format!("rail {r}")))?;
+                let id = unsafe { rail.irecv(&[buf]) }.map_err(on_rail(r))?;
                 let Some(id) = id else { break };
                 st.queues[r].pop_front();
                 if let Some(q) = st.reqs.get_mut(post.slot) {
@@ -765,7 +771,7 @@ impl StripedRecv {
             let Some(hid) = req.header.filter(|_| req.stage == Stage::Header) else {
                 continue;
             };
-            let Some(d) = self.rails[0].test(hid).map_err(|e| e.context("rail 0"))? else {
+            let Some(d) = self.rails[0].test(hid).map_err(on_rail(0))? else {
                 continue;
             };
             let got = &st.headers.read(slot)[..d.sizes[0].min(SLOT)];
@@ -951,7 +957,9 @@ impl Listener for StripedListen {
             return Ok(None);
         };
         for (r, l) in self.rails.iter().enumerate() {
-            let Some(c) = l.accept()? else { continue };
+            let Some(c) = l.accept().map_err(on_rail(r))? else {
+                continue;
+            };
             if st.handed || st.got[r].is_some() {
                 tracing::warn!(
                     "listener on a virtual device: closed a second connection on rail {r} from {}: a virtual device's listen comm takes one connection",
@@ -1029,6 +1037,53 @@ mod tests {
         let p = layout(4097, 4, 0, 4096);
         covers(&p, 4097);
         assert_eq!(p.len(), 2);
+    }
+
+    /// A member comm whose requests fail (its peer died) or stay pending.
+    #[derive(Debug)]
+    struct Member {
+        dead: bool,
+    }
+
+    impl Comm for Member {
+        fn rails(&self) -> &[Arc<DeviceState>] {
+            &[]
+        }
+        fn test(&self, _: ReqId) -> Result<Option<Done>> {
+            if self.dead {
+                Err(Error::remote("peer declared dead".to_owned()))
+            } else {
+                Ok(None)
+            }
+        }
+        fn keepalive(&self, _: Instant) {}
+        fn peer_name(&self) -> String {
+            "member".into()
+        }
+        fn alive(&self) -> Result<()> {
+            // Still alive as far as the keeper knows: the failure is seen
+            // first by a test (the race CI met).
+            Ok(())
+        }
+        fn hold(&self, _: &Tx<()>, _: &Rx<()>) {}
+        fn endpoint_open(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn a_member_failing_its_test_names_its_rail() {
+        let rails = [
+            Arc::new(Member { dead: false }),
+            Arc::new(Member { dead: true }),
+        ];
+        let mut m = Members::NONE;
+        m.unposted = 2;
+        m.push(0, ReqId { slot: 0, gen: 1 });
+        m.push(1, ReqId { slot: 0, gen: 1 });
+        let e = m.test(&rails).unwrap_err().to_string();
+        assert!(e.contains("virtual device, rail 1: "), "{e}");
+        assert!(e.contains("peer declared dead"), "{e}");
     }
 
     #[test]
