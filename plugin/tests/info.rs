@@ -7,13 +7,17 @@ use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_weft");
 
-/// Runs `weft info` with exactly `env` (plus PATH), finding the library
+/// Runs `weft info` with exactly `env` (plus PATH, and the loader's path so
+/// that it runs on the libfabric this test runs on), finding the library
 /// beside the program as an installed one would.
 fn info(env: &[(&str, &str)], json: bool) -> Output {
     let mut c = Command::new(BIN);
-    c.arg("info")
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default());
+    c.arg("info").env_clear();
+    for keep in ["PATH", "LD_LIBRARY_PATH"] {
+        if let Some(v) = std::env::var_os(keep) {
+            c.env(keep, v);
+        }
+    }
     if json {
         c.arg("--json");
     }
@@ -48,8 +52,17 @@ fn text_report_names_devices_tables_and_sources() {
         "{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let libfabric = format!(
+        "libfabric: {} (Weft needs >= 1.17; built with the headers of {}; asks for API {})",
+        libfabric_sys::version_text(libfabric_sys::running_version()),
+        libfabric_sys::version_text(libfabric_sys::HEADERS_FI_VERSION),
+        libfabric_sys::version_text(libfabric_sys::api_version()),
+    );
+    assert!(
+        text.contains(&libfabric),
+        "the report lacks {libfabric:?}:\n{text}"
+    );
     for want in [
-        "libfabric: 1.",
         "WEFT_PROVIDER",
         "environment (WEFT_PROVIDER)",
         "WEFT_PEER_TIMEOUT",
