@@ -312,34 +312,45 @@ fn gpu_claim(
     use crate::fabric::{Mr, ACCESS_ALL};
     let drv = crate::gpu::driver().map_err(|e| e.to_string())?;
     dev.hmem.clone()?;
-    const PROBE: usize = 64 << 10;
     let gpu = 0;
+    with_probe(drv, gpu, |mem| {
+        // SAFETY: `mem` is PROBE bytes of device memory, freed only after
+        // the registration is dropped (at the end of this closure).
+        unsafe {
+            Mr::register_kind(
+                domain,
+                mem.as_ptr(),
+                PROBE,
+                ACCESS_ALL,
+                crate::gpu::MemKind::Cuda(gpu),
+            )
+        }
+        .map(|_| gpu)
+        .map_err(|e| {
+            format!(
+                "registering device memory with FI_HMEM_CUDA failed ({e}): is this libfabric built with CUDA support?"
+            )
+        })
+    })
+}
+
+/// Bytes of device memory a claim registers to see that it works.
+const PROBE: usize = 64 << 10;
+
+/// Runs `probe` on `PROBE` bytes of GPU `gpu`'s memory, freed after it.
+fn with_probe<T>(
+    drv: &crate::gpu::Driver,
+    gpu: i32,
+    probe: impl FnOnce(std::ptr::NonNull<u8>) -> std::result::Result<T, String>,
+) -> std::result::Result<T, String> {
     let mem = drv
         .alloc(gpu, PROBE)
         .map_err(|e| format!("no device memory to probe with: {e}"))?;
-    // SAFETY: `mem` is PROBE bytes of device memory, freed only after the
-    // registration is dropped.
-    let reg = unsafe {
-        Mr::register_kind(
-            domain,
-            mem.as_ptr(),
-            PROBE,
-            ACCESS_ALL,
-            crate::gpu::MemKind::Cuda(gpu),
-        )
-    };
-    let ok = reg.is_ok();
-    let why = reg.err().map(|e| e.to_string());
-    // SAFETY: the registration is gone; nothing else holds `mem`.
+    let r = probe(mem);
+    // SAFETY: `probe` has returned and dropped what it registered; nothing
+    // else holds `mem`.
     unsafe { drv.free(gpu, mem) };
-    if ok {
-        Ok(gpu)
-    } else {
-        Err(format!(
-            "registering device memory with FI_HMEM_CUDA failed ({}): is this libfabric built with CUDA support?",
-            why.unwrap_or_default()
-        ))
-    }
+    r
 }
 
 /// Whether `domain` takes GPU `gpu`'s memory through DMA-BUF: the headers
@@ -379,11 +390,8 @@ fn dmabuf_claim(domain: &Arc<Domain>, gpu: i32) -> std::result::Result<(), Strin
     }
     let drv = crate::gpu::driver().map_err(|e| e.to_string())?;
     drv.dmabuf_supported(gpu)?;
-    const PROBE: usize = 64 << 10;
-    let mem = drv
-        .alloc(gpu, PROBE)
-        .map_err(|e| format!("no device memory to probe with: {e}"))?;
-    let reg = drv.dmabuf_fd(mem, PROBE).and_then(|fd| {
+    with_probe(drv, gpu, |mem| {
+        let fd = drv.dmabuf_fd(mem, PROBE)?;
         // SAFETY: `mem` is PROBE bytes of device memory, freed only after
         // the registration is dropped; `fd` is open for the call.
         unsafe {
@@ -399,10 +407,7 @@ fn dmabuf_claim(domain: &Arc<Domain>, gpu: i32) -> std::result::Result<(), Strin
         }
         .map(drop)
         .map_err(|e| format!("registering a DMA-BUF of GPU {gpu}'s memory failed ({e})"))
-    });
-    // SAFETY: the registration is gone; nothing else holds `mem`.
-    unsafe { drv.free(gpu, mem) };
-    reg
+    })
 }
 
 /// What `init` receives, in the newest API's terms.
