@@ -59,12 +59,18 @@ pub fn running_version() -> u32 {
     unsafe { fi_version() }
 }
 
+/// Whether both these headers and the running library know DMA-BUF
+/// registration (`FI_MR_DMABUF`, 1.20+).
+pub fn dmabuf_known() -> bool {
+    HAS_MR_DMABUF && running_version() >= DMABUF_FI_VERSION
+}
+
 /// The API version Weft asks for: 1.20 where both these headers and the
 /// running library know DMA-BUF registration (so that libfabric honours
 /// it), else 1.17. The `fi_mr_attr` Weft passes is always the headers' own,
 /// which is at least as large as what either version reads.
 pub fn api_version() -> u32 {
-    if HAS_MR_DMABUF && running_version() >= DMABUF_FI_VERSION {
+    if dmabuf_known() {
         DMABUF_FI_VERSION
     } else {
         WEFT_FI_VERSION

@@ -159,11 +159,14 @@ fn cuda_buffers_end_to_end_with_emulated_hmem() {
             );
         }
         let cuda_api = if libfabric_sys::HAS_OPT_CUDA_API_PERMITTED {
-            "FI_OPT_CUDA_API_PERMITTED not set: this libfabric has no CUDA support, so there is nothing to forbid"
+            "FI_OPT_CUDA_API_PERMITTED not set: this libfabric has no CUDA support, so there is nothing to forbid".to_owned()
         } else {
-            "FI_OPT_CUDA_API_PERMITTED not set: not known to the headers of libfabric 1.17"
+            format!(
+                "FI_OPT_CUDA_API_PERMITTED not set: not known to the headers of libfabric {}",
+                headers()
+            )
         };
-        assert!(out.contains(cuda_api), "{what}: {cuda_api:?}");
+        assert!(out.contains(&cuda_api), "{what}: {cuda_api:?}");
         assert!(out.contains(&format!("protocol {protocol}")), "{what}");
         assert!(
             out.contains("host-as-cuda refused: regMr: NCCL says"),
@@ -184,18 +187,17 @@ fn cuda_buffers_end_to_end_with_emulated_hmem() {
     }
 }
 
-/// Whether the headers Weft was built with and the running libfabric both
-/// know `FI_MR_DMABUF`.
-fn libfabric_dmabuf() -> bool {
-    libfabric_sys::HAS_MR_DMABUF
-        && libfabric_sys::running_version() >= libfabric_sys::DMABUF_FI_VERSION
+/// The version of the libfabric headers Weft was built with, as its log
+/// lines name it.
+fn headers() -> String {
+    libfabric_sys::version_text(libfabric_sys::HEADERS_FI_VERSION)
 }
 
 /// Whether DMA-BUF registration should be claimed on `provider`: where
 /// libfabric knows it, and the provider addresses registrations by virtual
 /// address (shm; tcp uses offsets, where libfabric's map mislocates them).
 fn dmabuf_expected(provider: &str) -> bool {
-    libfabric_dmabuf() && provider == "shm"
+    libfabric_sys::dmabuf_known() && provider == "shm"
 }
 
 /// Whether the init line says DMA-BUF is not claimed for want of libfabric
@@ -203,15 +205,18 @@ fn dmabuf_expected(provider: &str) -> bool {
 /// offset addressing.
 fn says_dmabuf_missing(out: &str) -> bool {
     let why = if !libfabric_sys::HAS_MR_DMABUF {
-        "Weft was built with the headers of libfabric 1.17, which has no FI_MR_DMABUF (1.20+)"
-    } else if !libfabric_dmabuf() {
-        "the running libfabric"
+        format!(
+            "Weft was built with the headers of libfabric {}, which has no FI_MR_DMABUF (1.20+)",
+            headers()
+        )
+    } else if !libfabric_sys::dmabuf_known() {
+        "the running libfabric".to_owned()
     } else {
-        "addresses registrations by offset (no FI_MR_VIRT_ADDR)"
+        "addresses registrations by offset (no FI_MR_VIRT_ADDR)".to_owned()
     };
     out.lines().any(|l| {
         l.contains("no DMA-BUF registration (NCCL_PTR_DMABUF not claimed; NCCL registers GPU memory by address): ")
-            && l.contains(why)
+            && l.contains(&why)
     })
 }
 
