@@ -2,8 +2,8 @@
 
 use std::collections::HashSet;
 use std::ptr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Once};
 
 use libfabric_sys as fi;
 
@@ -77,9 +77,9 @@ pub struct Domain {
     name_len: AtomicUsize,
     /// Set once the device claimed GPU memory: its endpoints then ask the
     /// provider not to call CUDA itself (`FI_OPT_CUDA_API_PERMITTED`).
-    gpu_memory: std::sync::atomic::AtomicBool,
+    gpu_memory: AtomicBool,
     /// What the provider answered to that, said once per domain.
-    cuda_api_said: std::sync::Once,
+    cuda_api_said: Once,
     _fabric: Arc<Fabric>,
 }
 
@@ -106,8 +106,8 @@ impl Domain {
             mr_endpoint: Mutex::new(None),
             enabled: Mutex::new(HashSet::new()),
             name_len: AtomicUsize::new(0),
-            gpu_memory: std::sync::atomic::AtomicBool::new(false),
-            cuda_api_said: std::sync::Once::new(),
+            gpu_memory: AtomicBool::new(false),
+            cuda_api_said: Once::new(),
             _fabric: fabric,
         }))
     }
