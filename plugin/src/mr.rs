@@ -1,17 +1,20 @@
 //! Registration cache: one per domain, so an mhandle is valid on every comm of
 //! its device (`regIsGlobal` = 1).
 //!
-//! Registrations cover whole pages. A registration is shared only by requests
-//! for exactly the same page range (NCCL's net_ib does the same): NCCL
+//! A registration covers exactly the bytes NCCL registered, never the whole
+//! pages around them: its remote key then opens only those bytes, and the
+//! provider itself refuses a peer's write or read outside them (a key of a
+//! page-rounded registration let a peer change up to a page of NCCL's
+//! memory on either side of an offered buffer). A registration is shared
+//! only by requests for exactly the same range (NCCL's net_ib does the same): NCCL
 //! registers each buffer once and frees it after `deregMr`, and a registration
 //! that merged several buffers, or that a sub-range kept alive, would outlive
 //! the memory that made it. New memory mapped at the same address would then
 //! hit the stale registration (on verbs or EFA: pinned old pages, silent
 //! corruption). With exact ranges, a registration lives exactly as long as a
 //! handle NCCL holds for that range; the last release deregisters it and
-//! drops it from the map. NCCL's own `(addr, len)` stays in its handle
-//! ([`crate::core`]), and buffers are checked against that, not against the
-//! page-rounded range.
+//! drops it from the map. Buffers NCCL passes are checked against the handle's
+//! `(addr, len)` ([`crate::core`]), which is the registration's own range.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -19,10 +22,10 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use crate::freelist::{page_size, MrDesc, Registrar};
+use crate::freelist::{MrDesc, Registrar};
 use crate::gpu::MemKind;
 
-/// One registered page range.
+/// One registered range.
 pub struct Region<G> {
     kind: MemKind,
     start: usize,
@@ -44,7 +47,7 @@ impl<G> Region<G> {
     pub fn contains(&self, addr: usize, len: usize) -> bool {
         addr >= self.start && addr.checked_add(len).is_some_and(|e| e <= self.end)
     }
-    /// The registered page range.
+    /// The registered range.
     pub fn range(&self) -> std::ops::Range<usize> {
         self.start..self.end
     }
@@ -90,20 +93,11 @@ impl<R: Registrar> fmt::Debug for MrCache<R> {
     }
 }
 
-/// The range registered for `addr..addr+len` of `kind`: whole host pages;
-/// device memory exactly (host pages mean nothing there, and rounding
-/// could reach past the allocation).
-fn page_range(addr: usize, len: usize, kind: MemKind) -> Option<Key> {
-    if kind != MemKind::Host {
-        return Some((kind, addr, addr.checked_add(len.max(1))?));
-    }
-    let page = page_size();
-    let start = addr & !(page - 1);
-    // A zero-length registration still pins the page it names.
-    let end = addr
-        .checked_add(len.max(1))?
-        .checked_next_multiple_of(page)?;
-    Some((kind, start, end))
+/// The range registered for `addr..addr+len` of `kind`: exactly those bytes
+/// (a zero-length registration still names one byte, so that it has a key
+/// and its address stays valid to pass).
+fn exact_range(addr: usize, len: usize, kind: MemKind) -> Option<Key> {
+    Some((kind, addr, addr.checked_add(len.max(1))?))
 }
 
 impl<R: Registrar> MrCache<R> {
@@ -139,11 +133,11 @@ impl<R: Registrar> MrCache<R> {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Returns a registration of the pages of `addr..addr+len` (host
-    /// memory): the cached one for exactly those pages, or a new one.
+    /// Returns a registration of `addr..addr+len` (host memory): the cached
+    /// one for exactly that range, or a new one.
     ///
     /// # Safety
-    /// The pages of the range stay mapped while the returned handle lives.
+    /// The range stays mapped while the returned handle lives.
     pub unsafe fn register(
         &self,
         addr: usize,
@@ -153,8 +147,7 @@ impl<R: Registrar> MrCache<R> {
         unsafe { self.register_kind(addr, len, MemKind::Host) }
     }
 
-    /// [`MrCache::register`] for memory of `kind` (device memory is
-    /// registered exactly, not by pages).
+    /// [`MrCache::register`] for memory of `kind`.
     ///
     /// # Safety
     /// The range stays allocated while the returned handle lives.
@@ -201,7 +194,7 @@ impl<R: Registrar> MrCache<R> {
         make: impl FnOnce(NonNull<u8>, usize) -> Result<Option<(R::Registration, MrDesc)>, String>,
     ) -> Result<Arc<Region<R::Registration>>, RegError> {
         let fail = |why: String| RegError { addr, len, why };
-        let key = page_range(addr, len, kind).ok_or_else(|| fail("range overflows".into()))?;
+        let key = exact_range(addr, len, kind).ok_or_else(|| fail("range overflows".into()))?;
         let mut map = self.lock();
         if let Some(r) = map.get(&key).and_then(Weak::upgrade) {
             self.hits.fetch_add(1, Ordering::Relaxed);
@@ -281,13 +274,17 @@ mod tests {
     }
 
     #[test]
-    fn same_pages_hit_and_are_refcounted() {
+    fn the_same_range_hits_and_is_refcounted() {
         let rec = Rec::default();
         let c = MrCache::new(rec.clone());
         let a = reg(&c, BASE + 10, 3 * P);
-        assert_eq!(a.range(), BASE..BASE + 4 * P, "page aligned");
-        let b = reg(&c, BASE + 20, 3 * P + 100);
-        assert!(Arc::ptr_eq(&a, &b), "the same pages hit");
+        assert_eq!(
+            a.range(),
+            BASE + 10..BASE + 10 + 3 * P,
+            "exactly the bytes asked for"
+        );
+        let b = reg(&c, BASE + 10, 3 * P);
+        assert!(Arc::ptr_eq(&a, &b), "the same range hits");
         assert_eq!(c.stats(), (1, 1));
         assert_eq!(rec.0.borrow().len(), 1);
         c.release(a);
@@ -297,8 +294,33 @@ mod tests {
         assert!(c.is_empty());
     }
 
+    /// 1 KiB in the middle of a page is registered as exactly that KiB (the
+    /// key of a page-rounded registration opened 3 KiB around it), and a
+    /// range on the same pages that differs by a byte registers on its own.
+    #[test]
+    fn a_registration_covers_exactly_what_was_asked() {
+        let rec = Rec::default();
+        let c = MrCache::new(rec.clone());
+        let a = reg(&c, BASE + 1024, 1024);
+        assert_eq!(a.range(), BASE + 1024..BASE + 2048);
+        assert!(!a.contains(BASE + 512, 512) && !a.contains(BASE + 2048, 1));
+        assert_eq!(rec.0.borrow().as_slice(), &[(BASE + 1024, 1024)]);
+        let b = reg(&c, BASE + 1024, 1025);
+        assert!(!Arc::ptr_eq(&a, &b));
+        let zero = reg(&c, BASE + 7, 0);
+        assert_eq!(
+            zero.range(),
+            BASE + 7..BASE + 8,
+            "an empty range names one byte"
+        );
+        c.release(a);
+        c.release(b);
+        c.release(zero);
+        assert!(rec.0.borrow().is_empty() && c.is_empty());
+    }
+
     /// A sub-range or an overlapping range gets a registration of its own,
-    /// so no registration outlives the handles NCCL holds for its pages.
+    /// so no registration outlives the handles NCCL holds for its range.
     #[test]
     fn sub_ranges_and_overlaps_register_their_own_pages() {
         let rec = Rec::default();
@@ -311,11 +333,7 @@ mod tests {
         assert_eq!(over.range(), BASE + 200 * P..BASE + 300 * P);
         assert_eq!(c.stats(), (0, 3));
         c.release(parent);
-        assert_eq!(
-            rec.0.borrow().len(),
-            2,
-            "the parent's pages are deregistered"
-        );
+        assert_eq!(rec.0.borrow().len(), 2, "the parent's registration is gone");
         assert!(
             !sub.contains(BASE + 128 * P, 4096),
             "the sub-range covers only its page"
@@ -328,7 +346,7 @@ mod tests {
     /// register -> free -> (new memory at the same address) -> register:
     /// a fresh registration, never the old one.
     #[test]
-    fn reregistering_freed_pages_registers_again() {
+    fn reregistering_freed_memory_registers_again() {
         let rec = Rec::default();
         let c = MrCache::new(rec.clone());
         let a = reg(&c, BASE, 4 * P);
@@ -344,7 +362,7 @@ mod tests {
 
     proptest::proptest! {
         /// Random registrations and releases: every handle covers what it asked
-        /// for, exactly one registration exists per page range held, and
+        /// for, exactly one registration exists per range held, and
         /// releasing everything empties the cache.
         #[test]
         fn model(ops in proptest::collection::vec((0usize..64, 1usize..(8 * P), proptest::bool::ANY), 1..120)) {
@@ -361,7 +379,7 @@ mod tests {
                     proptest::prop_assert!(r.contains(addr, len));
                     held.push(r);
                 }
-                // One live registration per distinct page range held.
+                // One live registration per distinct range held.
                 let mut ranges: Vec<_> = held.iter().map(|r| (r.start, r.end)).collect();
                 ranges.sort_unstable();
                 ranges.dedup();

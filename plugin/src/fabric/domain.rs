@@ -57,12 +57,27 @@ impl Drop for Fabric {
     }
 }
 
+/// A permutation of the 64-bit values keyed by `secret`: four Feistel
+/// rounds whose round function is SipHash under the secret's random keys.
+/// Distinct inputs give distinct outputs, and without the secret one output
+/// says nothing of another.
+fn permute(secret: &impl std::hash::BuildHasher, n: u64) -> u64 {
+    let (mut l, mut r) = ((n >> 32) as u32, n as u32);
+    for round in 0..4u8 {
+        let f = secret.hash_one((round, r)) as u32;
+        (l, r) = (r, l ^ f);
+    }
+    (u64::from(l) << 32) | u64::from(r)
+}
+
 /// An open domain (`fi_domain`): one NIC. Keeps its fabric and its `fi_info` alive.
 #[derive(Debug)]
 pub struct Domain {
     ptr: *mut fi::fid_domain,
     info: OwnedInfo,
     next_key: AtomicU64,
+    /// The secret that makes requested keys unpredictable ([`Domain::requested_key`]).
+    key_secret: std::hash::RandomState,
     /// MR modes honoured as if the provider required them
     /// (`WEFT_TEST_MR_MODE`; see [`strict_modes`]).
     strict: u32,
@@ -102,6 +117,7 @@ impl Domain {
             ptr,
             info,
             next_key: AtomicU64::new(1),
+            key_secret: std::hash::RandomState::new(),
             strict: strict_modes(),
             mr_endpoint: Mutex::new(None),
             enabled: Mutex::new(HashSet::new()),
@@ -184,20 +200,20 @@ impl Domain {
     }
 
     /// The key to request for a new registration: 0 where the provider picks
-    /// keys (`FI_MR_PROV_KEY`), else a key unique within this domain. Peers
-    /// only ever get the key the provider reports (`fi_mr_key`); with
-    /// `FI_MR_PROV_KEY` emulated, requested keys are arbitrary 64-bit values
-    /// (a bijection of the counter), as a provider's may be.
+    /// keys (`FI_MR_PROV_KEY`), else a key unique within this domain that a
+    /// third party cannot guess from the keys it was given: a keyed
+    /// permutation of a counter ([`permute`], secret per domain). A key
+    /// opens exactly the bytes NCCL registered ([`crate::mr`]), to whoever
+    /// holds it; only the peer a buffer is offered to learns its key. Peers
+    /// only ever get the key the provider reports (`fi_mr_key`).
     pub(crate) fn requested_key(&self) -> u64 {
         if self.info().mr_mode() & fi::FI_MR_PROV_KEY != 0 {
             return 0;
         }
-        let n = self.next_key.fetch_add(1, Ordering::Relaxed);
-        if self.strict(fi::FI_MR_PROV_KEY) {
-            n.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        } else {
-            n
-        }
+        permute(
+            &self.key_secret,
+            self.next_key.fetch_add(1, Ordering::Relaxed),
+        )
     }
 
     /// Records the length of an endpoint name of this domain.
@@ -281,4 +297,28 @@ pub fn strict_modes() -> u32 {
             }
         })
         .fold(0, |a, b| a | b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::permute;
+
+    /// Requested keys are unique (a permutation) and not a counter: two
+    /// domains' secrets give unrelated keys, and consecutive keys differ in
+    /// about half their bits.
+    #[test]
+    fn requested_keys_are_unique_and_unpredictable() {
+        let (a, b) = (std::hash::RandomState::new(), std::hash::RandomState::new());
+        let keys: std::collections::HashSet<u64> = (0..100_000).map(|n| permute(&a, n)).collect();
+        assert_eq!(keys.len(), 100_000, "a permutation never repeats a key");
+        let flips: u32 = (1..1000)
+            .map(|n| (permute(&a, n) ^ permute(&a, n + 1)).count_ones())
+            .sum();
+        let mean = f64::from(flips) / 999.0;
+        assert!(
+            (24.0..40.0).contains(&mean),
+            "consecutive keys differ in {mean:.1} bits"
+        );
+        assert_ne!(permute(&a, 1), permute(&b, 1), "secrets differ per domain");
+    }
 }
