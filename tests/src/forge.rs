@@ -1,43 +1,70 @@
-//! A raw endpoint that speaks Weft's control messages by hand, to act as a
-//! buggy or hostile peer: forged `Conn`s to a listener, forged `Ack`s to a
-//! connecting comm, addresses of any length.
+//! A raw endpoint that speaks Weft's wire format by hand, to act as a buggy
+//! or hostile peer or a third party on the fabric: forged `Conn`s to a
+//! listener, forged `Ack`s to a connecting comm, addresses of any length, a
+//! whole handshake as a Weft send comm makes it ([`Forger::connect_to`]),
+//! and writes with any key, address and immediate ([`Forger::write`]).
 
 use std::cell::Cell;
 use std::sync::Arc;
 
 use weft::fabric::{Completion, Domain, Endpoint, FiAddr, Mr, ACCESS_ALL};
-use weft::proto::wire::{Ctrl, CTRL_MAX};
-use weft::proto::{frame, unframe, CTRL_ID};
+use weft::proto::wire::{Ctrl, ListenHandle, CTRL_MAX};
+use weft::proto::{frame, unframe, CTRL_HEAD};
 
 /// The hand-driven peer.
 #[derive(Debug)]
 pub struct Forger {
-    // Field order is drop order: the endpoint closes before its buffer goes.
+    // Field order is drop order: the endpoint closes before its buffers go.
     ep: Endpoint,
     _mr: Mr,
     buf: Vec<u8>,
+    src_mr: Mr,
+    src: Vec<u8>,
     _domain: Arc<Domain>,
     /// The comm id messages are sent to (see [`Forger::aim`]).
     id: Cell<u32>,
+    /// The token messages carry (see [`Forger::sign`]).
+    token: Cell<u32>,
 }
 
+/// What a forger learned by connecting to a listener as a send comm.
+#[derive(Debug, Clone, Copy)]
+pub struct Linked {
+    /// The receive comm's endpoint in the forger's AV.
+    pub to: FiAddr,
+    /// The receive comm's id there.
+    pub id: u32,
+    /// The receive comm's token.
+    pub token: u32,
+}
+
+/// Bytes of the forger's registered source buffer for writes.
+pub const WRITE_MAX: usize = 1 << 20;
+
 impl Forger {
-    /// Opens an endpoint on `provider`'s loopback domain with one control
-    /// receive posted.
+    /// Opens an endpoint on `provider`'s loopback domain (opened for RMA,
+    /// as the rdma protocol opens it) with one control receive posted.
     pub fn open(provider: &str) -> Self {
-        let domain = crate::loopback_domain(provider).expect("forger domain");
+        let domain = crate::loopback_domain_for(provider, true).expect("forger domain");
         let ep = Endpoint::open_own(&domain).expect("forger endpoint");
-        let buf = vec![0u8; CTRL_ID + CTRL_MAX];
+        let buf = vec![0u8; CTRL_HEAD + CTRL_MAX + 8192];
         // SAFETY: `buf` lives, unmoved, as long as the registration (both
         // are fields of the forger, dropped after the endpoint).
         let mr = unsafe { Mr::register(&domain, buf.as_ptr(), buf.len(), ACCESS_ALL) }
             .expect("forger registration");
+        let src = vec![0xEEu8; WRITE_MAX];
+        // SAFETY: as above.
+        let src_mr = unsafe { Mr::register(&domain, src.as_ptr(), src.len(), ACCESS_ALL) }
+            .expect("forger source registration");
         let f = Self {
             ep,
             _mr: mr,
             buf,
+            src_mr,
+            src,
             _domain: domain,
             id: Cell::new(0),
+            token: Cell::new(0x5eed_f00d),
         };
         f.post();
         f
@@ -58,9 +85,14 @@ impl Forger {
     }
 
     /// Sends from now on go to comm `id` at their peer (the id a handle or
-    /// a Conn names; 0 where each endpoint has one comm).
+    /// a Conn names).
     pub fn aim(&self, id: u32) {
         self.id.set(id);
+    }
+
+    /// Sends from now on carry `token` (as if from the comm that has it).
+    pub fn sign(&self, token: u32) {
+        self.token.set(token);
     }
 
     /// This endpoint's name (a valid address to put in messages).
@@ -80,11 +112,16 @@ impl Forger {
 
     /// [`Forger::send`], calling `progress` between tries (the receiving
     /// side in this process must make progress for shm to take the message).
-    pub fn send_while(&self, to: FiAddr, msg: &Ctrl, mut progress: impl FnMut()) {
-        let b = frame(self.id.get(), msg);
+    pub fn send_while(&self, to: FiAddr, msg: &Ctrl, progress: impl FnMut()) {
+        let b = frame(self.id.get(), self.token.get(), msg);
+        self.inject_while(to, &b, progress);
+    }
+
+    /// Injects `bytes` as they are (an untagged message) to `to`.
+    pub fn inject_while(&self, to: FiAddr, bytes: &[u8], mut progress: impl FnMut()) {
         let mut c = [Completion::default(); 4];
         crate::poll_until("forger send", || {
-            match self.ep.inject(&b, to) {
+            match self.ep.inject(bytes, to) {
                 Ok(()) => return Some(()),
                 Err(e) if e.is_again() => {}
                 Err(e) => panic!("forger send: {e}"),
@@ -95,16 +132,138 @@ impl Forger {
         });
     }
 
+    /// Injects `bytes` with remote CQ data `data` (untagged, or tagged with
+    /// `tag`), as no Weft peer ever sends.
+    pub fn inject_data_while(
+        &self,
+        to: FiAddr,
+        bytes: &[u8],
+        data: u64,
+        tag: Option<u64>,
+        mut progress: impl FnMut(),
+    ) {
+        let mut c = [Completion::default(); 4];
+        crate::poll_until("forger injectdata", || {
+            let r = match tag {
+                None => self.ep.injectdata(bytes, data, to),
+                Some(t) => self.ep.tinjectdata(bytes, data, to, t),
+            };
+            match r {
+                Ok(()) => return Some(()),
+                Err(e) if e.is_again() => {}
+                Err(e) => panic!("forger injectdata: {e}"),
+            }
+            let _ = self.ep.cq().read(&mut c);
+            progress();
+            None
+        });
+    }
+
     /// The next control message that arrives (polls once; `None` if none).
     pub fn try_recv(&self) -> Option<Ctrl> {
+        self.try_recv_framed().map(|(_, _, m)| m)
+    }
+
+    /// [`Forger::try_recv`] with the header: the comm id it names and the
+    /// sending comm's token.
+    pub fn try_recv_framed(&self) -> Option<(u32, u32, Ctrl)> {
         let mut c = [Completion::default(); 1];
         match self.ep.cq().read(&mut c) {
             Ok(1) => {
-                let msg = unframe(&self.buf[..c[0].len]).and_then(|(_, b)| Ctrl::decode(b).ok());
+                let msg = unframe(&self.buf[..c[0].len])
+                    .and_then(|(id, t, b)| Some((id, t, Ctrl::decode(b).ok()?)));
                 self.post();
                 msg
             }
             _ => None,
+        }
+    }
+
+    /// Connects to the listener of `handle` the way a Weft send comm does
+    /// (`Conn`, the `Ack`, a first `Alive`), calling `progress` (the host's
+    /// `accept`) until it is answered. From then on, messages go to the new
+    /// receive comm, signed with this forger's own token.
+    pub fn connect_to(&self, handle: &ListenHandle, mut progress: impl FnMut()) -> Linked {
+        let listener = self.peer(&handle.addr);
+        self.aim(handle.id);
+        let conn = 0xC0FF_EE00 ^ u64::from(self.token.get());
+        let msg = Ctrl::Conn {
+            listener: handle.nonce,
+            conn,
+            id: 77,
+            addr: self.name(),
+        };
+        self.send_while(listener, &msg, &mut progress);
+        let (id, token, addr) = crate::poll_until("the listener's Ack", || {
+            progress();
+            match self.try_recv_framed() {
+                Some((
+                    _,
+                    token,
+                    Ctrl::Ack {
+                        conn: c, id, addr, ..
+                    },
+                )) if c == conn => Some((id, token, addr)),
+                _ => None,
+            }
+        });
+        let to = self.peer(&addr);
+        self.aim(id);
+        self.send_while(to, &Ctrl::Alive, &mut progress);
+        Linked { to, id, token }
+    }
+
+    /// Writes `len` bytes of 0xEE from its own buffer to `addr` with `key` at
+    /// `to`, with immediate `imm`; waits for the outcome (`Err`: the
+    /// provider refused it, at either end), calling `progress` meanwhile.
+    pub fn write(
+        &self,
+        to: FiAddr,
+        len: usize,
+        addr: u64,
+        key: u64,
+        imm: u64,
+        mut progress: impl FnMut(),
+    ) -> Result<(), String> {
+        assert!(len <= WRITE_MAX);
+        let ctx = 0x77usize as *mut libc::c_void;
+        crate::poll_until("the forger's write to be taken", || {
+            // SAFETY: the source is `len` registered bytes owned by the
+            // forger, which outlives the endpoint; the remote range is
+            // whatever the test names (that is the point).
+            match unsafe {
+                self.ep.writedata(
+                    self.src.as_ptr(),
+                    len,
+                    self.src_mr.desc(),
+                    imm,
+                    to,
+                    addr,
+                    key,
+                    ctx,
+                )
+            } {
+                Ok(()) => Some(()),
+                Err(e) if e.is_again() => {
+                    progress();
+                    None
+                }
+                Err(e) => panic!("forger write: {e}"),
+            }
+        });
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut c = [Completion::default(); 1];
+        loop {
+            match self.ep.cq().read(&mut c) {
+                Ok(1) if c[0].op_context == ctx => return Ok(()),
+                Ok(1) => self.post(),
+                Ok(_) => {}
+                Err(e) => return Err(e.to_string()),
+            }
+            if std::time::Instant::now() > deadline {
+                return Err("the write never completed".into());
+            }
+            progress();
         }
     }
 }

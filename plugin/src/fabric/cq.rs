@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use libfabric_sys as fi;
 
+use super::av::FiAddr;
 use super::domain::{close_fid, Domain};
 use super::error::{check, strerror, FiError};
 
@@ -98,6 +99,22 @@ impl Cq {
         // SAFETY: `out` is writable for out.len() tagged entries, the format
         // this CQ was opened with.
         let ret = unsafe { fi::fi_cq_read(self.ptr, out.as_mut_ptr().cast(), out.len()) };
+        self.outcome(ret)
+    }
+
+    /// [`Cq::read`], with each completion's source address in `src` (its
+    /// address in the endpoint's AV; `FI_ADDR_NOTAVAIL` for a source not in
+    /// it, or where the endpoint lacks `FI_SOURCE`).
+    pub fn read_from(&self, out: &mut [Completion], src: &mut [FiAddr]) -> Result<usize, CqError> {
+        let n = out.len().min(src.len());
+        // SAFETY: `out` and `src` are writable for `n` entries each, in the
+        // format this CQ was opened with.
+        let ret =
+            unsafe { fi::fi_cq_readfrom(self.ptr, out.as_mut_ptr().cast(), n, src.as_mut_ptr()) };
+        self.outcome(ret)
+    }
+
+    fn outcome(&self, ret: isize) -> Result<usize, CqError> {
         if ret >= 0 {
             return Ok(usize::try_from(ret).unwrap_or(0));
         }

@@ -306,6 +306,34 @@ impl Endpoint {
         .map(drop)
     }
 
+    /// [`Endpoint::inject`] with remote CQ data (`fi_injectdata`). Weft
+    /// itself never sends one; hostile-input tests do.
+    pub fn injectdata(&self, data: &[u8], cq_data: u64, dest: FiAddr) -> Result<(), FiError> {
+        let ep = self.live("fi_injectdata")?;
+        // SAFETY: fi_injectdata copies `data` before returning.
+        check("fi_injectdata", unsafe {
+            fi::fi_injectdata(ep, data.as_ptr().cast(), data.len(), cq_data, dest)
+        })
+        .map(drop)
+    }
+
+    /// [`Endpoint::tinject`] with remote CQ data (`fi_tinjectdata`). Weft
+    /// itself never sends one; hostile-input tests do.
+    pub fn tinjectdata(
+        &self,
+        data: &[u8],
+        cq_data: u64,
+        dest: FiAddr,
+        tag: u64,
+    ) -> Result<(), FiError> {
+        let ep = self.live("fi_tinjectdata")?;
+        // SAFETY: fi_tinjectdata copies `data` before returning.
+        check("fi_tinjectdata", unsafe {
+            fi::fi_tinjectdata(ep, data.as_ptr().cast(), data.len(), cq_data, dest, tag)
+        })
+        .map(drop)
+    }
+
     /// Cancels a posted operation by its context; its completion (if any) is
     /// reported as `FI_ECANCELED`.
     ///

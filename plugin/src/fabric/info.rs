@@ -24,10 +24,16 @@ pub struct Hints {
 }
 
 impl Hints {
-    /// Reliable tagged messaging, the base every Weft protocol needs.
+    /// Reliable tagged messaging, the base every Weft protocol needs, with
+    /// each completion's source (`FI_SOURCE`) and receives that match one
+    /// source only (`FI_DIRECTED_RECV`): endpoints are shared by many comms,
+    /// and a comm takes messages, writes and data from its own peer only.
     pub fn rdm_tagged(provider: Option<&str>) -> Self {
         Self {
-            caps: u64::from(fi::FI_TAGGED) | u64::from(fi::FI_MSG),
+            caps: u64::from(fi::FI_TAGGED)
+                | u64::from(fi::FI_MSG)
+                | fi::FI_SOURCE
+                | fi::FI_DIRECTED_RECV,
             ep_type: fi::fi_ep_type_FI_EP_RDM,
             // Modes the fabric layer honours: it registers what it sends (LOCAL),
             // addresses are virtual, buffers are allocated, keys come from the

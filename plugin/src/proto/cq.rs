@@ -1,27 +1,36 @@
 //! Reading a completion queue: whole batches, the first error after.
 
 use crate::error::Result;
-use crate::fabric::{Completion, CompletionError, Cq, CqError};
+use crate::fabric::{Completion, CompletionError, Cq, CqError, FiAddr};
 
 /// Completions read per `fi_cq_read`.
 pub(crate) const CQ_BATCH: usize = 16;
 
 /// One entry of a completion queue.
 pub(crate) enum Event<'a> {
-    /// An operation finished.
-    Done(&'a Completion),
+    /// An operation finished, and where from (the source address in the
+    /// endpoint's AV; `FI_ADDR_NOTAVAIL` when unknown).
+    Done(&'a Completion, FiAddr),
     /// An operation failed.
     Failed(CompletionError),
 }
 
 /// What [`drain`] reads: a CQ (or, in tests, a scripted queue).
 pub(crate) trait CqSource {
-    fn read(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError>;
+    fn read(
+        &self,
+        out: &mut [Completion],
+        src: &mut [FiAddr],
+    ) -> std::result::Result<usize, CqError>;
 }
 
 impl CqSource for Cq {
-    fn read(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
-        Cq::read(self, out)
+    fn read(
+        &self,
+        out: &mut [Completion],
+        src: &mut [FiAddr],
+    ) -> std::result::Result<usize, CqError> {
+        Cq::read_from(self, out, src)
     }
 }
 
@@ -36,6 +45,7 @@ pub(crate) fn drain(
     mut on: impl FnMut(Event<'_>) -> Result<()>,
 ) -> Result<()> {
     let mut c = [Completion::default(); CQ_BATCH];
+    let mut src = [libfabric_sys::FI_ADDR_NOTAVAIL; CQ_BATCH];
     let mut first_err = None;
     let mut keep = |r: Result<()>| {
         if let Err(e) = r {
@@ -43,11 +53,11 @@ pub(crate) fn drain(
         }
     };
     loop {
-        match cq.read(&mut c) {
+        match cq.read(&mut c, &mut src) {
             Ok(0) => break,
             Ok(n) => {
-                for comp in &c[..n] {
-                    keep(on(Event::Done(comp)));
+                for (comp, &from) in c[..n].iter().zip(&src[..n]) {
+                    keep(on(Event::Done(comp, from)));
                 }
                 if n < c.len() {
                     break;
@@ -75,7 +85,11 @@ mod tests {
     struct Script(RefCell<VecDeque<std::result::Result<Vec<usize>, CqError>>>);
 
     impl CqSource for Script {
-        fn read(&self, out: &mut [Completion]) -> std::result::Result<usize, CqError> {
+        fn read(
+            &self,
+            out: &mut [Completion],
+            _src: &mut [FiAddr],
+        ) -> std::result::Result<usize, CqError> {
             match self.0.borrow_mut().pop_front() {
                 None => Ok(0),
                 Some(Err(e)) => Err(e),
@@ -100,7 +114,9 @@ mod tests {
         ));
         let mut seen = Vec::new();
         let r = drain(&cq, |ev| {
-            let Event::Done(c) = ev else { unreachable!() };
+            let Event::Done(c, _) = ev else {
+                unreachable!()
+            };
             let id = c.op_context as usize;
             seen.push(id);
             if id == 2 || id == 100 {

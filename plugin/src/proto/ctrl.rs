@@ -3,8 +3,16 @@
 //! process), a comm's view of its peer, and injecting a message.
 //!
 //! Control messages are untagged messages (`fi_inject`/`fi_recv`): the
-//! first [`CTRL_ID`] bytes name the comm the message is for, on an endpoint
-//! shared by many comms, and the rest is a [`Ctrl`]. Data messages are
+//! first [`CTRL_HEAD`] bytes name the comm the message is for, on an
+//! endpoint shared by many comms (4 bytes, LE), and carry the sending
+//! comm's token (4 bytes, LE: a random number each comm draws when it is
+//! made and sends its peer in the handshake; 4 bytes, not 8, because an
+//! eager message must fit the provider's inject size, 64 bytes on
+//! tcp;ofi_rxm); the rest is a [`Ctrl`]. A comm
+//! takes a message only with its peer's token, and (where the provider
+//! reports sources) only from its peer's endpoint, so neither a third party
+//! nor another comm of the same peer, nor a comm closed before, can speak
+//! for its peer. Data messages are
 //! tagged, so the two never share a receive queue: a provider matching an
 //! arriving data message walks only the tagged receives (shm walks its
 //! posted list one by one; with the 256 control buffers in the same list a
@@ -24,28 +32,42 @@ use crate::fabric::local::{self, LocalEp, Locality};
 use crate::fabric::{DomainRegistrar, Endpoint, FiAddr, FiError};
 use crate::freelist::{Elem, Freelist, HostPages, Params};
 
-/// Bytes before a control message: the id of the comm it is for (LE).
-pub const CTRL_ID: usize = 4;
+/// Bytes before a control message: the id of the comm it is for, and the
+/// sending comm's token.
+pub const CTRL_HEAD: usize = 8;
 /// Context bit of a posted control buffer (the low bits are its index);
 /// comms' operation contexts never set it (their ids are 24 bits).
 pub(crate) const CTRL_CTX: u64 = 1 << 63;
 
-/// A control message to comm `id`, as it travels.
-pub fn frame(id: u32, msg: &Ctrl) -> Vec<u8> {
-    let mut b = [0u8; CTRL_MAX];
-    let n = msg.encode(&mut b);
-    let mut v = Vec::with_capacity(CTRL_ID + n);
-    v.extend_from_slice(&id.to_le_bytes());
-    v.extend_from_slice(&b[..n]);
-    v
+/// A control message to comm `id` from a comm with `token`, as it travels.
+pub fn frame(id: u32, token: u32, msg: &Ctrl) -> Vec<u8> {
+    let mut b = [0u8; CTRL_HEAD + CTRL_MAX];
+    let n = frame_into(&mut b, id, token, msg);
+    b[..n].to_vec()
 }
 
-/// The comm id a received control message is for, and the message's bytes.
-pub fn unframe(bytes: &[u8]) -> Option<(u32, &[u8])> {
-    let id = bytes.get(..CTRL_ID)?;
+/// Writes the header of a message to comm `id` from a comm with `token`
+/// into `out` (at least [`CTRL_HEAD`] bytes).
+pub fn frame_head(out: &mut [u8], id: u32, token: u32) {
+    out[..4].copy_from_slice(&id.to_le_bytes());
+    out[4..CTRL_HEAD].copy_from_slice(&token.to_le_bytes());
+}
+
+fn frame_into(b: &mut [u8; CTRL_HEAD + CTRL_MAX], id: u32, token: u32, msg: &Ctrl) -> usize {
+    frame_head(b, id, token);
+    let body: &mut [u8; CTRL_MAX] = (&mut b[CTRL_HEAD..]).try_into().expect("CTRL_MAX bytes");
+    CTRL_HEAD + msg.encode(body)
+}
+
+/// What a received control message's header says: the comm it is for, the
+/// sending comm's token, and the message's bytes.
+pub fn unframe(bytes: &[u8]) -> Option<(u32, u32, &[u8])> {
+    let id = bytes.get(..4)?;
+    let token = bytes.get(4..CTRL_HEAD)?;
     Some((
         u32::from_le_bytes(id.try_into().expect("4 bytes")),
-        &bytes[CTRL_ID..],
+        u32::from_le_bytes(token.try_into().expect("4 bytes")),
+        &bytes[CTRL_HEAD..],
     ))
 }
 
@@ -61,7 +83,7 @@ pub(crate) struct CtrlBufs {
 }
 
 impl CtrlBufs {
-    /// Posts `count` buffers of `size` bytes (at least [`CTRL_ID`] +
+    /// Posts `count` buffers of `size` bytes (at least [`CTRL_HEAD`] +
     /// [`CTRL_MAX`]; more for eager data) on `ep` for control messages.
     pub(crate) fn new(dev: &DeviceState, ep: &Endpoint, count: usize, size: usize) -> Result<Self> {
         let mut list = Freelist::new(
@@ -204,17 +226,17 @@ pub(crate) fn closed_peer(call: &'static str) -> FiError {
     }
 }
 
-/// Injects a control message to comm `id` at peer `to`.
+/// Injects a control message to comm `id` at peer `to`, from the comm with
+/// `token`.
 pub(crate) fn send_ctrl_to(
     ep: &Endpoint,
     to: &Peer,
     id: u32,
+    token: u32,
     msg: &Ctrl,
 ) -> std::result::Result<(), FiError> {
-    let mut b = [0u8; CTRL_ID + CTRL_MAX];
-    b[..CTRL_ID].copy_from_slice(&id.to_le_bytes());
-    let body: &mut [u8; CTRL_MAX] = (&mut b[CTRL_ID..]).try_into().expect("CTRL_MAX bytes");
-    let n = CTRL_ID + msg.encode(body);
+    let mut b = [0u8; CTRL_HEAD + CTRL_MAX];
+    let n = frame_into(&mut b, id, token, msg);
     to.send("fi_inject", |a| ep.inject(&b[..n], a))
 }
 
@@ -224,6 +246,10 @@ pub(crate) struct Link {
     pub(crate) peer: Peer,
     /// The peer's address in words, for log lines and errors.
     pub(crate) name: String,
+    /// The peer comm's token (learned in the handshake; 0 until then).
+    pub(crate) token: u32,
+    /// Messages and writes dropped because they were not from the peer.
+    pub(crate) strangers: u64,
     /// Something arrived from the peer since the keeper last looked (set on
     /// the data path, where reading the clock would cost).
     pub(crate) heard: bool,
@@ -240,6 +266,8 @@ impl Link {
         Self {
             peer: Peer::NONE,
             name: "(not connected)".to_owned(),
+            token: 0,
+            strangers: 0,
             heard: false,
             last_heard: Instant::now(),
             last_said: None,
@@ -257,6 +285,33 @@ impl Link {
         self.name = ep.av().straddr(name);
         self.last_heard = Instant::now();
         Ok(())
+    }
+
+    /// Whether a control message with `token` from source address `src` is
+    /// the peer's: the token must be the peer's, and where the provider
+    /// reports sources (`sources`) the address too. What is not is counted
+    /// (and dropped by the caller).
+    pub(crate) fn is_from_peer(&mut self, token: u32, src: FiAddr, sources: bool) -> bool {
+        let ours = token == self.token && token != 0 && (!sources || src == self.peer.addr);
+        if !ours {
+            self.stranger(&format!(
+                "a control message (source {src:#x}, expected {:#x})",
+                self.peer.addr
+            ));
+        }
+        ours
+    }
+
+    /// Counts something dropped because it was not from the peer; the
+    /// first of a comm is a WARN.
+    pub(crate) fn stranger(&mut self, what: &str) {
+        if self.strangers == 0 {
+            tracing::warn!(
+                "comm with {}: dropped {what} that is not from its peer; further ones are counted, not logged. Another host may be sending to this device's endpoint",
+                self.name
+            );
+        }
+        self.strangers += 1;
     }
 
     /// An error if the peer was declared dead.

@@ -9,12 +9,16 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 /// Handshakes a listener keeps pending at once. NCCL connects one peer to
-/// each listener; more are tolerated, and beyond this a new `Conn` evicts the
-/// oldest pending handshake (with a warning), so forged ones cannot grow a
-/// listener. A real peer confirms within a round trip of its Ack, and its
-/// connect repeats `Conn` every heartbeat period until answered, so a flood
-/// delays it rather than locking it out.
-pub const MAX_PENDING: usize = 4;
+/// each listener; more are tolerated (a restart storm connects many at once,
+/// and a pending handshake costs a receive comm of a few KiB). Beyond this a
+/// new `Conn` evicts the oldest handshake whose Ack has not gone out yet;
+/// one whose Ack went out is never evicted (its peer may already be sending:
+/// it expires only if the peer does not confirm within two heartbeat
+/// periods), so a new `Conn` finding only those is refused, and its connect
+/// repeats it until there is room. So forged `Conn`s cannot grow a listener,
+/// nor break a connection it acknowledged, and they hold a slot for at most
+/// two heartbeat periods each.
+pub const MAX_PENDING: usize = 64;
 /// Connection nonces a listener remembers as accepted (a late repeat of their
 /// `Conn` is ignored).
 pub(crate) const ACCEPTED_MEMORY: usize = 16;
@@ -62,6 +66,8 @@ pub(crate) struct Handshakes<T, A> {
     accepted: VecDeque<u64>,
     /// Why the last handshake failed, reported once nothing else is pending.
     failed: Option<String>,
+    /// `Conn`s refused for want of room.
+    refused: u64,
 }
 
 impl<T, A> Default for Handshakes<T, A> {
@@ -70,6 +76,7 @@ impl<T, A> Default for Handshakes<T, A> {
             pending: Vec::new(),
             accepted: VecDeque::new(),
             failed: None,
+            refused: 0,
         }
     }
 }
@@ -81,16 +88,41 @@ impl<T, A> Handshakes<T, A> {
         self.pending.iter().any(|p| p.conn == conn) || self.accepted.contains(&conn)
     }
 
-    /// Whether taking one more would evict the oldest.
-    pub(crate) fn full(&self) -> bool {
-        self.pending.len() >= MAX_PENDING
+    /// Whether a new handshake can be taken: there is room, or one whose
+    /// Ack has not gone out can make room.
+    pub(crate) fn has_room(&self) -> bool {
+        self.pending.len() < MAX_PENDING || self.pending.iter().any(|p| p.ack.is_some())
     }
 
-    /// Takes a new handshake; returns the oldest one if it had to make room.
-    pub(crate) fn admit(&mut self, p: Pending<T, A>) -> Option<Pending<T, A>> {
-        let evicted = self.full().then(|| self.pending.remove(0));
+    /// Counts a `Conn` refused for want of room ([`Handshakes::has_room`]);
+    /// the first of a listener, and every 1000th, is a WARN.
+    pub(crate) fn refuse_logged(&mut self, dev: usize) {
+        self.refused += 1;
+        if self.refused % 1000 == 1 {
+            tracing::warn!(
+                "listener on device {dev}: {MAX_PENDING} handshakes pending, all answered; refused a new one ({} so far; a real connect repeats its request). NCCL connects one peer per listener: is something sending forged connection requests?",
+                self.refused
+            );
+        }
+    }
+
+    /// Takes a new handshake: `Ok(None)`, or `Ok(Some(evicted))` when the
+    /// oldest one not yet acknowledged made room; `Err(p)` (refused) when
+    /// every pending one was acknowledged.
+    pub(crate) fn admit(
+        &mut self,
+        p: Pending<T, A>,
+    ) -> std::result::Result<Option<Pending<T, A>>, Pending<T, A>> {
+        if self.pending.len() < MAX_PENDING {
+            self.pending.push(p);
+            return Ok(None);
+        }
+        let Some(i) = self.pending.iter().position(|q| q.ack.is_some()) else {
+            return Err(p);
+        };
+        let evicted = self.pending.remove(i);
         self.pending.push(p);
-        evicted
+        Ok(Some(evicted))
     }
 
     /// Steps every pending handshake with `step`, oldest first, until one is
@@ -219,13 +251,16 @@ impl Connecting {
 }
 
 impl<T, A> Handshakes<T, A> {
-    /// [`Handshakes::admit`], with the WARN an eviction deserves.
+    /// [`Handshakes::admit`], with the WARN an eviction or a refusal
+    /// deserves.
     pub(crate) fn admit_logged(&mut self, p: Pending<T, A>, dev: usize) {
-        if self.admit(p).is_some() {
-            tracing::warn!(
-                "listener on device {dev}: {MAX_PENDING} handshakes pending; dropped the oldest for a new one \
+        match self.admit(p) {
+            Ok(None) => {}
+            Ok(Some(_)) => tracing::warn!(
+                "listener on device {dev}: {MAX_PENDING} handshakes pending; dropped the oldest one not yet answered for a new one \
                  (NCCL connects one peer per listener: is something sending forged connection requests?)"
-            );
+            ),
+            Err(_) => self.refuse_logged(dev),
         }
     }
 }
@@ -345,24 +380,56 @@ mod tests {
     }
 
     #[test]
-    fn a_flood_evicts_the_oldest_and_stays_bounded() {
+    fn a_flood_evicts_the_oldest_unanswered_and_stays_bounded() {
         let mut b = Handshakes::default();
         let mut evicted = Vec::new();
-        for c in 0..40 {
-            if let Some(e) = b.admit(p(c)) {
+        let n = MAX_PENDING as u64 + 36;
+        for c in 0..n {
+            if let Ok(Some(e)) = b.admit(p(c)) {
                 evicted.push(e.conn);
             }
         }
         assert_eq!(evicted, (0..36).collect::<Vec<_>>(), "oldest first");
         assert_eq!(b.pending.len(), MAX_PENDING);
-        assert!(b.knows(39) && !b.knows(0));
+        assert!(b.knows(n - 1) && !b.knows(0));
+    }
+
+    /// A handshake whose Ack went out is never evicted: with only those
+    /// pending a new Conn is refused; once one is unanswered again (a new
+    /// one admitted after others expired), only that one can go.
+    #[test]
+    fn an_answered_handshake_is_never_evicted() {
+        let mut b = Handshakes::default();
+        for c in 0..MAX_PENDING as u64 {
+            b.admit(p(c)).unwrap();
+        }
+        for q in &mut b.pending {
+            q.ack = None; // every Ack went out
+        }
+        assert!(!b.has_room());
+        assert_eq!(
+            b.admit(p(1000)).map(|_| ()).map_err(|r| r.conn),
+            Err(1000),
+            "refused"
+        );
+        assert!(!b.knows(1000) && (0..MAX_PENDING as u64).all(|c| b.knows(c)));
+        b.pending[5].ack = Some(());
+        assert!(b.has_room());
+        let e = b
+            .admit(p(1001))
+            .unwrap()
+            .expect("evicts the unanswered one");
+        assert_eq!(e.conn, 5);
+        assert!((0..MAX_PENDING as u64)
+            .filter(|&c| c != 5)
+            .all(|c| b.knows(c)));
     }
 
     #[test]
     fn the_confirmed_one_is_returned_and_its_repeats_ignored() {
         let mut b = Handshakes::default();
         for c in [7, 8, 9] {
-            b.admit(p(c));
+            b.admit(p(c)).unwrap();
         }
         let got = b.step_all(
             |p| {
@@ -378,7 +445,7 @@ mod tests {
         assert!(b.knows(8), "a late repeat of an accepted Conn is ignored");
         assert_eq!(b.pending.len(), 2);
         for c in 100..100 + ACCEPTED_MEMORY as u64 {
-            b.admit(p(c));
+            b.admit(p(c)).unwrap();
             let only_c = |p: &mut Pending<u64, ()>| {
                 if p.conn == c {
                     Step::Confirmed
@@ -396,8 +463,8 @@ mod tests {
     #[test]
     fn a_failure_is_reported_only_when_nothing_else_is_pending() {
         let mut b = Handshakes::default();
-        b.admit(p(1)); // forged: fails
-        b.admit(p(2)); // real: confirms on the second step
+        b.admit(p(1)).unwrap(); // forged: fails
+        b.admit(p(2)).unwrap(); // real: confirms on the second step
         let mut warned = Vec::new();
         let mut round = 0;
         let mut step = |p: &mut Pending<u64, ()>| match (p.conn, round) {
@@ -417,7 +484,7 @@ mod tests {
         };
         assert_eq!(b.step_all(&mut step, |_| {}), Ok(Some(2)));
         // The only handshake fails: an error.
-        b.admit(p(3));
+        b.admit(p(3)).unwrap();
         let r = b.step_all(|_| Step::Failed("peer died".to_owned()), |_| {});
         assert_eq!(r, Err("peer died".to_owned()));
         assert_eq!(

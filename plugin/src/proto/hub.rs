@@ -14,6 +14,22 @@
 //! tag ([`data_tag`]), operations carry it in their context's high 32 bits, and
 //! remote writes in their immediate's high 24 bits.
 //!
+//! **Who sent it.** An id only says which comm a message is for; anyone
+//! who reaches the endpoint can name any id. So the hub hands each comm,
+//! with every control message and write it delivers, where it came from:
+//! the source address the provider reports (`FI_SOURCE`, read with
+//! `fi_cq_readfrom`) and the sending comm's token (see [`super::ctrl`]).
+//! The comm drops whatever is not from its peer. A write names its buffer
+//! in its immediate, and libfabric 1.17's rxm reports no source for a
+//! write (measured: the first address of the AV, whoever wrote); so the
+//! receiver checks the immediate against the offer instead: its size is
+//! XORed with a random ticket the offer carried ([`immediate`]), and the
+//! data itself can only land with the buffer's key, which only the peer it
+//! was offered to has.
+//! The hub itself recognises its own posted control buffers before anything
+//! else, so a message with remote CQ data (which Weft never sends) cannot
+//! pass for a write, and a buffer it took is always posted again.
+//!
 //! **Progress.** Whichever thread calls [`Hub::progress`] first reads the
 //! CQ for everyone: it takes the port's poll lock with `try_lock` (a thread
 //! that finds it taken goes on: the holder is delivering its completions
@@ -31,11 +47,11 @@ use std::time::Instant;
 use libfabric_sys as fi;
 
 use super::cq::{drain, Event};
-use super::ctrl::{unframe, CtrlBufs, CTRL_ID};
+use super::ctrl::{unframe, CtrlBufs, CTRL_HEAD};
 use super::wire::{CTRL_MAX, EAGER_HEAD};
 use super::DeviceState;
 use crate::error::{Error, Result};
-use crate::fabric::{Completion, CompletionError, Endpoint};
+use crate::fabric::{Completion, CompletionError, Endpoint, FiAddr};
 
 /// Control receives kept posted per endpoint of a hub.
 ///
@@ -62,16 +78,26 @@ pub enum Port {
 /// What the hub delivers to a comm.
 #[derive(Debug)]
 pub enum Ev {
-    /// A control message (its bytes).
-    Ctrl(Vec<u8>),
+    /// A control message: the sending comm's token, the source address,
+    /// and the message's bytes.
+    Ctrl {
+        /// The token in its header.
+        token: u32,
+        /// Where it came from (`FI_ADDR_NOTAVAIL`: a source not in the AV).
+        src: FiAddr,
+        /// The message.
+        bytes: Vec<u8>,
+    },
     /// An operation the comm posted finished: the low 32 bits of its
     /// context, and the length (of a received message).
     Done(u32, usize),
     /// An operation the comm posted failed.
     Failed(u32, CompletionError),
-    /// A peer's write with immediate landed: the immediate's low 8 bits, and
-    /// the size it carried (where the hub has wide immediates).
-    Landed(u8, Option<u64>),
+    /// A peer's write with immediate landed: the immediate's low 8 bits,
+    /// and its upper 32 bits where the hub has wide immediates (the size
+    /// XOR the offer's ticket: [`immediate_size`]). Writes carry no source
+    /// a comm could check: rxm reports none for them.
+    Landed(u8, Option<u32>),
 }
 
 /// A comm's mailbox at the hub.
@@ -104,13 +130,22 @@ pub fn data_tag(id: u32, tag: i32) -> u64 {
 }
 
 /// The immediate of a write to comm `id` at the peer, with 8 bits of its
-/// own: 32 bits. Where the hub has wide immediates, a size below
-/// [`NO_SIZE`] rides in the upper 32 bits.
-pub fn immediate(id: u32, local: u8, size: Option<u64>) -> u64 {
+/// own: 32 bits. Where the hub has wide immediates, the upper 32 bits are
+/// the size (or [`NO_SIZE`]: it comes in a control message) XOR the
+/// offer's `ticket` ([`super::wire::RtrBuf::ticket`]).
+pub fn immediate(id: u32, local: u8, size: Option<u64>, ticket: u32) -> u64 {
     let size = size
         .filter(|&s| s < u64::from(NO_SIZE))
         .map_or(NO_SIZE, |s| s as u32);
-    (u64::from(size) << 32) | u64::from((id << 8) | u32::from(local))
+    (u64::from(size ^ ticket) << 32) | u64::from((id << 8) | u32::from(local))
+}
+
+/// What the upper 32 bits of a wide immediate say, given the offer's
+/// `ticket`: `Some(size)`, or `None` when the size comes in a control
+/// message.
+pub fn immediate_size(hi: u32, ticket: u32) -> Option<u64> {
+    let v = hi ^ ticket;
+    (v != NO_SIZE).then_some(u64::from(v))
 }
 
 /// Upper immediate bits meaning "the size comes in a control message".
@@ -138,8 +173,13 @@ pub struct Hub {
     wide: bool,
     /// The largest eager message (data bytes) this hub's buffers take.
     eager_max: usize,
+    /// The provider reports each completion's source (`FI_SOURCE`).
+    sources: bool,
     boxes: RwLock<HashMap<u32, Arc<Inbox>>>,
-    next_id: Mutex<u32>,
+    /// Draws comm ids: SipHash under a random key, of a counter, so that
+    /// ids say nothing of one another (a third party that knows one cannot
+    /// sweep its neighbours).
+    ids: Mutex<(std::hash::RandomState, u64)>,
 }
 
 impl std::fmt::Debug for Hub {
@@ -154,7 +194,7 @@ impl Hub {
         // Eager messages are injected whole (header + data).
         let eager_max = dev
             .eager_size
-            .min(dev.dev.inject_size.saturating_sub(CTRL_ID + EAGER_HEAD));
+            .min(dev.dev.inject_size.saturating_sub(CTRL_HEAD + EAGER_HEAD));
         let port = |passive: bool| -> Result<PortState> {
             let ep = Endpoint::open_sized(&dev.domain, CQ_SIZE)
                 .map_err(|e| Error::from(e).context("opening the device's shared endpoint"))?;
@@ -164,7 +204,7 @@ impl Hub {
                 // control buffers on).
                 dev.domain.set_mr_endpoint(ep.raw());
             }
-            let size = CTRL_ID + CTRL_MAX.max(EAGER_HEAD + eager_max);
+            let size = CTRL_HEAD + CTRL_MAX.max(EAGER_HEAD + eager_max);
             let ctrl = CtrlBufs::new(dev, &ep, CTRL_POSTED, size)?;
             let name = ep.name()?;
             Ok(PortState {
@@ -179,13 +219,14 @@ impl Hub {
             opened: Instant::now(),
             ports: [port(true)?, port(false)?],
             boxes: RwLock::new(HashMap::new()),
-            next_id: Mutex::new(1),
+            ids: Mutex::new((std::hash::RandomState::new(), 0)),
             wide: dev.dev.rma.cq_data_size >= 8 && !narrow_for_test(),
             eager_max,
+            sources: dev.domain.info().caps() & fi::FI_SOURCE != 0,
         })
     }
 
-    /// A new comm: its id (never 0) and its inbox.
+    /// A new comm: its id (random, never 0) and its inbox.
     pub fn register(&self) -> Result<(u32, Arc<Inbox>)> {
         let mut boxes = self.boxes.write().unwrap_or_else(|e| e.into_inner());
         if boxes.len() >= (MAX_ID - 1) as usize {
@@ -194,11 +235,11 @@ impl Hub {
                 boxes.len()
             )));
         }
-        let mut next = lock(&self.next_id);
+        let mut ids = lock(&self.ids);
         let id = loop {
-            let id = *next;
-            *next = if id + 1 >= MAX_ID { 1 } else { id + 1 };
-            if !boxes.contains_key(&id) {
+            ids.1 += 1;
+            let id = std::hash::BuildHasher::hash_one(&ids.0, ids.1) as u32 & (MAX_ID - 1);
+            if id != 0 && !boxes.contains_key(&id) {
                 break id;
             }
         };
@@ -218,6 +259,12 @@ impl Hub {
     /// Whether sizes ride in immediates (8 bytes of remote CQ data).
     pub fn wide(&self) -> bool {
         self.wide
+    }
+
+    /// Whether completions say where they came from (`FI_SOURCE`): then a
+    /// comm takes messages and writes only from its peer's address.
+    pub fn sources(&self) -> bool {
+        self.sources
     }
 
     /// The largest eager message this hub takes and sends (data bytes).
@@ -279,7 +326,7 @@ impl Hub {
         let wide = self.wide;
         drain(&**p.ep.cq(), |ev| {
             match ev {
-                Event::Done(c) => on_done(c, wide, &mut ctrl, &p.ep, deliver),
+                Event::Done(c, src) => on_done(c, src, wide, &mut ctrl, &p.ep, deliver),
                 Event::Failed(e) => {
                     if let Some(i) = ctrl.find(e.context) {
                         tracing::warn!("hub: dropped a bad control message: {e}");
@@ -309,27 +356,36 @@ impl Drop for Hub {
 
 fn on_done(
     c: &Completion,
+    src: FiAddr,
     wide: bool,
     ctrl: &mut CtrlBufs,
     ep: &Endpoint,
     deliver: impl Fn(u32, Ev),
 ) -> Result<()> {
-    if crate::fabric::is_remote_write(c) {
+    if let Some(i) = ctrl.find(c.op_context) {
+        // One of the hub's control buffers, whatever the message claims to
+        // be: Weft sends no message with remote CQ data, so one that has it
+        // is dropped, and the buffer is always posted again.
+        let foreign = c.flags & fi::FI_REMOTE_CQ_DATA as u64 != 0;
+        let framed = unframe(ctrl.bytes(i, c.len))
+            .filter(|_| !foreign)
+            .map(|(id, token, b)| (id, token, b.to_vec()));
+        ctrl.repost(ep, i)?;
+        match framed {
+            Some((id, token, bytes)) => deliver(id, Ev::Ctrl { token, src, bytes }),
+            None => tracing::debug!(
+                "hub: dropped a message of {} bytes that is no Weft control message",
+                c.len
+            ),
+        }
+        return Ok(());
+    }
+    if c.flags & u64::from(fi::FI_RECV) == 0 && crate::fabric::is_remote_write(c) {
         // The size comes from the immediate or a control message, never
         // from `len` (0 for a remote write on tcp;ofi_rxm 1.17).
         let imm = c.data as u32;
-        let hi = (c.data >> 32) as u32;
-        let size = (wide && hi != NO_SIZE).then_some(u64::from(hi));
-        deliver(imm >> 8, Ev::Landed(imm as u8, size));
-        return Ok(());
-    }
-    if let Some(i) = ctrl.find(c.op_context) {
-        let framed = unframe(ctrl.bytes(i, c.len)).map(|(id, b)| (id, b.to_vec()));
-        ctrl.repost(ep, i)?;
-        match framed {
-            Some((id, bytes)) => deliver(id, Ev::Ctrl(bytes)),
-            None => tracing::warn!("hub: dropped a control message of {} bytes", c.len),
-        }
+        let hi = wide.then_some((c.data >> 32) as u32);
+        deliver(imm >> 8, Ev::Landed(imm as u8, hi));
         return Ok(());
     }
     // A comm's own operation (a send, a write, a tagged receive).

@@ -31,7 +31,7 @@ pub mod stripe;
 pub(crate) mod sync;
 pub mod wire;
 
-pub use ctrl::{frame, unframe, CTRL_ID};
+pub use ctrl::{frame, frame_head, unframe, CTRL_HEAD};
 pub use handshake::MAX_PENDING;
 use wire::ListenHandle;
 

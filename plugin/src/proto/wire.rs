@@ -351,9 +351,16 @@ pub enum Ctrl {
     /// Either side -> the other: "I am alive". Sent every heartbeat period;
     /// the connecting side's first one also completes the handshake.
     Alive,
-    /// Either side -> the other: "I closed my comm" (sent on close, best
-    /// effort, so the peer fails at once instead of after a timeout).
-    Bye,
+    /// Either side -> the other: "I send you nothing more" (sent on close,
+    /// and by a send comm in answer to its receiver's Bye once none of its
+    /// writes is in flight). Everything its sender sent before it arrives
+    /// before it; `sent` counts the tagged data messages a send comm sent
+    /// (wrapping), so the receiver still matches those that are on their
+    /// way, and fails only what can never come.
+    Bye {
+        /// Tagged data messages sent on the comm (0 from a receive comm).
+        sent: u32,
+    },
     /// RDMA receiver -> sender: "ready to receive" into these buffers (one
     /// grouped `irecv`), the `seq`-th such message of the comm.
     Rtr {
@@ -412,10 +419,14 @@ pub struct RtrBuf {
     pub addr: u64,
     /// The registration's remote key.
     pub key: u64,
+    /// A random number drawn for this offer: the write's 8-byte immediate
+    /// carries its size XOR this, so a write's immediate forged by anyone
+    /// but the peer it was offered to decodes to no valid size.
+    pub ticket: u32,
 }
 
 /// Bytes of one [`RtrBuf`] on the wire.
-const RTR_BUF: usize = 32;
+const RTR_BUF: usize = 36;
 /// Bytes before an eager message's data.
 pub const EAGER_HEAD: usize = 16;
 /// Where an Rtr's buffers start.
@@ -508,6 +519,7 @@ impl Ctrl {
                     out[at + 12..at + 20].copy_from_slice(&b.addr.to_le_bytes());
                     out[at + 20..at + 28].copy_from_slice(&b.key.to_le_bytes());
                     out[at + 28..at + 32].copy_from_slice(&b.idx.to_le_bytes());
+                    out[at + 32..at + 36].copy_from_slice(&b.ticket.to_le_bytes());
                 }
                 RTR_HEAD + n * RTR_BUF
             }
@@ -539,14 +551,16 @@ impl Ctrl {
                 out[..v.len()].copy_from_slice(&v);
                 v.len()
             }
-            Ctrl::Alive | Ctrl::Bye => {
-                out[6] = if matches!(self, Ctrl::Alive) {
-                    KIND_ALIVE
-                } else {
-                    KIND_BYE
-                };
+            Ctrl::Alive => {
+                out[6] = KIND_ALIVE;
                 out[7] = 0;
                 out[8..12].fill(0);
+                12
+            }
+            Ctrl::Bye { sent } => {
+                out[6] = KIND_BYE;
+                out[7] = 0;
+                out[8..12].copy_from_slice(&sent.to_le_bytes());
                 12
             }
         }
@@ -618,6 +632,7 @@ impl Ctrl {
                             addr: u64_at(at + 12),
                             key: u64_at(at + 20),
                             idx: u32_at(at + 28),
+                            ticket: u32_at(at + 32),
                         }
                     })
                     .collect();
@@ -644,7 +659,7 @@ impl Ctrl {
                 idx: u32_at(12),
                 data: buf[EAGER_HEAD..].to_vec(),
             }),
-            KIND_BYE => Ok(Ctrl::Bye),
+            KIND_BYE => Ok(Ctrl::Bye { sent: u32_at(8) }),
             KIND_CONN | KIND_ACK | KIND_WROTE | KIND_TRUNC | KIND_EAGER => {
                 Err(CtrlError::Truncated(buf.len()))
             }
@@ -856,7 +871,7 @@ mod tests {
             },
             Ctrl::Credit { count: 64 },
             Ctrl::Alive,
-            Ctrl::Bye,
+            Ctrl::Bye { sent: 0x0102_0304 },
             Ctrl::Rtr {
                 seq: 7,
                 slot: 31,
@@ -867,6 +882,7 @@ mod tests {
                         addr: 0x7f00_0000_0000 + i,
                         key: u64::MAX - i,
                         idx: i as u32 * 3,
+                        ticket: 0xdead_0000 + i as u32,
                     })
                     .collect(),
             },

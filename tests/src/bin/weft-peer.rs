@@ -172,13 +172,13 @@ fn recv(comm: *mut c_void, count: u64, size: usize, tag: i32) -> Result<u64, Str
 fn half_connect(provider: &str, handle: &[u8; 128]) -> Result<Box<dyn std::any::Any>, String> {
     use weft::fabric::{Endpoint, Mr, ACCESS_ALL};
     use weft::proto::wire::{Ctrl, ListenHandle, CTRL_MAX};
-    use weft::proto::{frame, unframe, CTRL_ID};
+    use weft::proto::{frame, unframe, CTRL_HEAD};
     let e = |e: weft::fabric::FiError| e.to_string();
     let domain = weft_tests::loopback_domain(provider)?;
     let ep = Endpoint::open_own(&domain).map_err(e)?;
     let h = ListenHandle::decode(handle).map_err(|e| e.to_string())?;
     let listener = ep.av().insert(&h.addr).map_err(e)?;
-    let buf = vec![0u8; CTRL_ID + CTRL_MAX];
+    let buf = vec![0u8; CTRL_HEAD + CTRL_MAX];
     // SAFETY: `buf` is live and unmoved for as long as the registration,
     // which is returned with it.
     let mr = unsafe { Mr::register(&domain, buf.as_ptr(), buf.len(), ACCESS_ALL) }.map_err(e)?;
@@ -196,6 +196,7 @@ fn half_connect(provider: &str, handle: &[u8; 128]) -> Result<Box<dyn std::any::
     .map_err(e)?;
     let msg = frame(
         h.id,
+        0x4a1f,
         &Ctrl::Conn {
             listener: h.nonce,
             conn: 42,
@@ -215,7 +216,7 @@ fn half_connect(provider: &str, handle: &[u8; 128]) -> Result<Box<dyn std::any::
         }
         (ep.cq().read(&mut c).expect("half-connect cq") > 0).then_some(())
     });
-    match unframe(&buf[..c[0].len]).map(|(_, b)| Ctrl::decode(b)) {
+    match unframe(&buf[..c[0].len]).map(|(_, _, b)| Ctrl::decode(b)) {
         Some(Ok(Ctrl::Ack { conn: 42, .. })) => Ok(Box::new((ep, mr, buf, domain))),
         other => Err(format!("half-connect: expected the Ack, got {other:?}")),
     }

@@ -57,7 +57,12 @@ impl ListenComm {
 
     /// A Conn opens a receive comm whose Ack `accept` sends; anything else
     /// is logged and dropped.
-    fn on_ctrl(&self, book: &mut Handshakes<Arc<RecvComm>, Ctrl>, bytes: &[u8]) -> Result<()> {
+    fn on_ctrl(
+        &self,
+        book: &mut Handshakes<Arc<RecvComm>, Ctrl>,
+        token: u32,
+        bytes: &[u8],
+    ) -> Result<()> {
         let dev = self.dev.index;
         match Ctrl::decode(bytes) {
             Ok(Ctrl::Conn {
@@ -70,6 +75,10 @@ impl ListenComm {
                     tracing::debug!("listener on device {dev}: ignored a repeated Conn");
                     return Ok(());
                 }
+                if !book.has_room() {
+                    book.refuse_logged(dev);
+                    return Ok(());
+                }
                 if let Err(check) = self.dev.domain.check_addr(&addr) {
                     tracing::warn!(
                         "listener on device {dev}: dropped a connection request with an unusable address: {check}"
@@ -77,7 +86,7 @@ impl ListenComm {
                     return Ok(());
                 }
                 let comm = Arc::new(RecvComm::open(Arc::clone(&self.dev), self.path)?);
-                let ack = match comm.link_to(&addr, id) {
+                let ack = match comm.link_to(&addr, id, token) {
                     Ok(rid) => Ctrl::Ack {
                         conn,
                         credits: self.path.credits().0,
@@ -113,7 +122,14 @@ impl ListenComm {
     fn step(&self, p: &mut Pending<Arc<RecvComm>, Ctrl>, now: Instant) -> Step {
         let answered = match p.ack.take() {
             Some(ack) => match p.comm.say(ack) {
-                Ok(()) => true,
+                Ok(()) => {
+                    // A live peer confirms as soon as it reads the Ack: an
+                    // answered handshake is never evicted, so it may hold
+                    // its place only so long (see `MAX_PENDING`).
+                    let window = 2 * heartbeat_period(self.dev.peer_timeout);
+                    p.deadline = p.deadline.min(now + window);
+                    true
+                }
                 Err(e) => {
                     return Step::Failed(format!(
                         "accept: cannot answer the connecting peer {}: {e}",
@@ -130,9 +146,9 @@ impl ListenComm {
             )),
             Ok(true) if answered => Step::Confirmed,
             Ok(_) if now > p.deadline => Step::Failed(format!(
-                "accept: the connecting peer {} never confirmed the connection within {:.1} s (WEFT_PEER_TIMEOUT): its process died or hangs",
+                "accept: the connecting peer {} never confirmed the connection (within two heartbeat periods of the answer, WEFT_PEER_TIMEOUT / 4 = {:.1} s): its process died or hangs",
                 p.comm.peer_name(),
-                self.dev.peer_timeout.as_secs_f64()
+                self.dev.peer_timeout.as_secs_f64() / 4.0
             )),
             Ok(_) => Step::Waiting,
         }
@@ -144,7 +160,7 @@ impl Listener for ListenComm {
         let mut book = lock(&self.book);
         for ev in self.seat.poll()? {
             match ev {
-                Ev::Ctrl(bytes) => self.on_ctrl(&mut book, &bytes)?,
+                Ev::Ctrl { token, bytes, .. } => self.on_ctrl(&mut book, token, &bytes)?,
                 other => tracing::warn!("listener: ignored {other:?}"),
             }
         }

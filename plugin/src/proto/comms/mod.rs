@@ -166,12 +166,14 @@ impl Protocol for OnHub {
     }
 }
 
-/// Where a comm sits on its device's hub: an id and an inbox on one port.
+/// Where a comm sits on its device's hub: an id and an inbox on one port,
+/// and the token its control messages carry (random, never 0).
 /// Leaving the seat (drop) unregisters the id.
 struct Seat {
     hub: Arc<Hub>,
     port: Port,
     id: u32,
+    token: u32,
     inbox: Arc<Inbox>,
 }
 
@@ -179,12 +181,26 @@ impl Seat {
     fn new(dev: &DeviceState, port: Port) -> Result<Self> {
         let hub = dev.hub()?;
         let (id, inbox) = hub.register()?;
+        let token = std::iter::repeat_with(|| super::handshake::nonce() as u32)
+            .find(|&t| t != 0)
+            .expect("an endless iterator");
         Ok(Self {
             hub,
             port,
             id,
+            token,
             inbox,
         })
+    }
+
+    /// Whether control message `ev` is from `link`'s peer (its token and
+    /// address); a write's immediate is checked against its offer instead
+    /// (see [`super::hub`]), and a comm's own operations are its own.
+    fn is_from_peer(&self, link: &mut Link, ev: &Ev) -> bool {
+        match ev {
+            Ev::Ctrl { token, src, .. } => link.is_from_peer(*token, *src, self.hub.sources()),
+            Ev::Landed(..) | Ev::Done(..) | Ev::Failed(..) => true,
+        }
     }
 
     fn ep(&self) -> &Endpoint {
@@ -205,20 +221,38 @@ impl Drop for Seat {
 }
 
 /// A comm's link to its peer comm: the peer endpoint, the peer comm's id
-/// there, liveness, and control messages the provider could not take yet
-/// (sent first, in order, before any new one).
+/// there, liveness, this comm's own token (sent with every message), and
+/// control messages the provider could not take yet (sent first, in order,
+/// before any new one).
 struct PeerLink {
     link: Link,
     id: u32,
+    me: u32,
     owed: VecDeque<Ctrl>,
+    /// The peer said `Bye`: it sends nothing more.
+    bye_heard: bool,
+    /// This comm said `Bye`.
+    bye_said: bool,
 }
 
 impl PeerLink {
-    fn new() -> Self {
+    fn new(seat: &Seat) -> Self {
         Self {
             link: Link::new(),
             id: 0,
+            me: seat.token,
             owed: VecDeque::new(),
+            bye_heard: false,
+            bye_said: false,
+        }
+    }
+
+    /// Says `Bye` (once; `sent`: tagged data messages sent). Best effort: a
+    /// peer that misses it finds out by its silence.
+    fn say_bye(&mut self, ep: &Endpoint, sent: u32) {
+        if self.id != 0 && self.link.dead.is_none() && !self.bye_said {
+            self.bye_said = true;
+            let _ = self.send(ep, Ctrl::Bye { sent });
         }
     }
 
@@ -232,7 +266,7 @@ impl PeerLink {
     /// Sends what is owed, in order, until the provider says "not now".
     fn flush(&mut self, ep: &Endpoint) -> Result<()> {
         while let Some(m) = self.owed.front() {
-            match send_ctrl_to(ep, &self.link.peer, self.id, m) {
+            match send_ctrl_to(ep, &self.link.peer, self.id, self.me, m) {
                 Ok(()) => {
                     self.owed.pop_front();
                 }
@@ -263,25 +297,15 @@ trait Side {
     fn linked(&self) -> bool;
     /// Fails every request in flight; returns how many.
     fn fail_all(&mut self) -> usize;
+    /// Whether a request is in flight (not yet finished).
+    fn busy(&self) -> bool;
     /// Progresses and applies what arrived.
     fn progress(&mut self, seat: &Seat) -> Result<()>;
 }
 
-/// The peer closed its comm: requests in flight fail now.
-fn on_bye<S: Side>(st: &mut S) {
-    die(
-        st,
-        "the peer closed its comm (NCCL closed it there, or that rank is shutting down)".to_owned(),
-    );
-}
-
-/// Says `Bye` to the peer comm on close (best effort: a peer that misses it
-/// finds out by its silence).
-fn say_bye(p: &mut PeerLink, seat: &Seat) {
-    if p.id != 0 && p.link.dead.is_none() {
-        let _ = p.send(seat.ep(), Ctrl::Bye);
-    }
-}
+/// Why requests fail once the peer said `Bye`.
+const PEER_CLOSED: &str =
+    "the peer closed its comm (NCCL closed it there, or that rank is shutting down)";
 
 /// Declares the peer dead: every request in flight fails, new ones are
 /// refused, one WARN names the peer.
@@ -302,7 +326,8 @@ fn keepalive<S: Side>(st: &mut S, seat: &Seat, timeout: std::time::Duration, now
         return;
     }
     let period = heartbeat_period(timeout);
-    if st.peer().link.alive_due(now, period) {
+    let bye = st.peer().bye_heard;
+    if !bye && st.peer().link.alive_due(now, period) {
         let p = st.peer();
         let r = p.send(seat.ep(), Ctrl::Alive);
         if let Err(e) = r {
@@ -317,7 +342,9 @@ fn keepalive<S: Side>(st: &mut S, seat: &Seat, timeout: std::time::Duration, now
         return die(st, format!("progress failed: {e}"));
     }
     let silent = st.peer().link.silence(now);
-    if silent + period >= timeout {
+    // After its Bye the peer is silent by design: only requests still in
+    // flight (whose completion may never come) make its silence count.
+    if silent + period >= timeout && (!bye || st.busy()) {
         die(st, silent_peer(silent, timeout));
     }
 }
@@ -368,11 +395,25 @@ fn keepalive_locked<S: Side>(
 
 /// The truncation error, worded for the side that reports it; `size` where
 /// known (a provider reporting a truncated tagged receive may not say).
-fn truncation(side: &str, peer: &str, size: Option<u64>, tag: i32, cap: u64) -> Error {
+/// `written`: the peer wrote the message anyway (it ignored the size it was
+/// offered); the provider bounded that write by the buffer's registration.
+fn truncation(
+    side: &str,
+    peer: &str,
+    size: Option<u64>,
+    tag: i32,
+    cap: u64,
+    written: bool,
+) -> Error {
     let sent = size.map_or("more bytes than fit".to_owned(), |s| format!("{s} bytes"));
+    let what = if written {
+        "the peer wrote them anyway: bytes past the buffer, up to the end of the memory NCCL registered for it, may have changed (the provider refuses writes outside a registration)"
+    } else {
+        "nothing was written past the buffer"
+    };
     let msg = format!(
         "message truncated ({side}): {sent} with tag {tag} for a receive buffer of {cap} bytes at {peer}; \
-         nothing was written past the buffer. NCCL never sends more than the receiver posted, so both ranks must run the same NCCL"
+         {what}. NCCL never sends more than the receiver posted, so both ranks must run the same NCCL"
     );
     tracing::warn!("{msg}");
     Error::internal(msg)

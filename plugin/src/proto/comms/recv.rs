@@ -32,6 +32,8 @@ struct RReq {
     tags: [i32; MAX_RECVS],
     /// Which receive of its tag each buffer is.
     idxs: [u32; MAX_RECVS],
+    /// Each buffer's offer ticket (see [`RtrBuf::ticket`]).
+    tickets: [u32; MAX_RECVS],
     /// NCCL's buffers (eager data is copied there) and their descriptors.
     data: [usize; MAX_RECVS],
     descs: [usize; MAX_RECVS],
@@ -40,8 +42,9 @@ struct RReq {
     landed: u8,
     /// Buffers whose size is known.
     sized: u8,
-    /// A buffer's message was too large: (buffer, bytes where known).
-    trunc: Option<(u8, Option<u64>)>,
+    /// A buffer's message was too large: (buffer, bytes where known, whether
+    /// the peer wrote them anyway).
+    trunc: Option<(u8, Option<u64>, bool)>,
     /// A buffer's receive failed in the provider: (buffer, fi errno).
     failed: Option<(u8, u32)>,
     /// The peer was declared dead.
@@ -60,12 +63,13 @@ impl RReq {
     fn finished(&self) -> bool {
         (self.dead || (self.landed & self.sized) == self.all()) && self.posted == 0
     }
-    /// Buffer `sub` gets `size` bytes. The sender checks the size against
-    /// the offer; a peer that did not gets a truncation error here.
-    fn size(&mut self, sub: u8, size: u64) {
+    /// Buffer `sub` gets `size` bytes, `written` by the peer (else copied
+    /// here, only if they fit). The sender checks the size against the
+    /// offer; a peer that did not gets a truncation error here.
+    fn size(&mut self, sub: u8, size: u64, written: bool) {
         let s = usize::from(sub);
         if size > self.caps[s] {
-            self.trunc.get_or_insert((sub, Some(size)));
+            self.trunc.get_or_insert((sub, Some(size), written));
             self.landed |= 1 << sub;
         }
         self.sizes[s] = size as usize;
@@ -79,6 +83,8 @@ struct RecvState {
     reqs: Pool<RReq>,
     /// The next Rtr's sequence number.
     seq: u32,
+    /// Draws offer tickets: SipHash under a random key, of a counter.
+    tickets: (std::hash::RandomState, u64),
     /// Address buffers by offset into their registration (the provider's MR
     /// mode lacks FI_MR_VIRT_ADDR).
     offsets: bool,
@@ -93,6 +99,10 @@ struct RecvState {
     /// Tagged: buffers (slot, buffer) the provider refused for now
     /// (FI_EAGAIN), posted in order before any later one.
     to_post: VecDeque<(u32, u8)>,
+    /// Tagged: data messages matched so far (wrapping), and how many the
+    /// sender sent in all, from its `Bye`.
+    matched: u32,
+    peer_sent: Option<u32>,
 }
 
 impl std::fmt::Debug for RecvComm {
@@ -106,28 +116,34 @@ impl RecvComm {
         let seat = Seat::new(&dev, Port::Passive)?;
         let reqs = Pool::new(MAX_REQUESTS).map_err(|e| Error::system(e.to_string()))?;
         let offsets = !dev.virt_addr();
+        let peer = PeerLink::new(&seat);
         Ok(Self {
             dev,
             seat,
             inner: Mutex::new(RecvState {
                 path,
-                peer: PeerLink::new(),
+                peer,
                 reqs,
                 seq: 0,
+                tickets: (std::hash::RandomState::new(), 0),
                 offsets,
                 next_idx: HashMap::new(),
                 stash: HashMap::new(),
                 credits_owed: 0,
                 to_post: VecDeque::new(),
+                matched: 0,
+                peer_sent: None,
             }),
         })
     }
 
-    /// Records the connecting comm (`id` at `addr`); returns this comm's id.
-    pub(super) fn link_to(&self, addr: &[u8], id: u32) -> Result<u32> {
+    /// Records the connecting comm (`id` at `addr`, with `token`); returns
+    /// this comm's id.
+    pub(super) fn link_to(&self, addr: &[u8], id: u32, token: u32) -> Result<u32> {
         let mut st = lock(&self.inner);
         st.peer.link.connect(self.seat.ep(), addr)?;
         st.peer.id = id;
+        st.peer.link.token = token;
         Ok(self.seat.id)
     }
 
@@ -153,11 +169,13 @@ impl Receiver for RecvComm {
             return Ok(None);
         };
         st.peer.link.check()?;
+        st.check_after_bye(bufs)?;
         let mut req = RReq {
             n: bufs.len() as u8,
             caps: [0; MAX_RECVS],
             tags: [0; MAX_RECVS],
             idxs: [0; MAX_RECVS],
+            tickets: [0; MAX_RECVS],
             data: [0; MAX_RECVS],
             descs: [0; MAX_RECVS],
             sizes: [0; MAX_RECVS],
@@ -225,7 +243,13 @@ impl Comm for RecvComm {
             return Ok(None);
         };
         if r.dead {
-            return Err(st.peer.link.dead_error());
+            return Err(match st.peer.link.dead {
+                Some(_) => st.peer.link.dead_error(),
+                None => Error::remote(format!(
+                    "receive from {}: {PEER_CLOSED}; this message never came",
+                    st.peer.link.name
+                )),
+            });
         }
         if let Some((sub, e)) = r.failed {
             let msg = format!(
@@ -236,7 +260,7 @@ impl Comm for RecvComm {
             tracing::warn!("{msg}");
             return Err(Error::remote(msg));
         }
-        if let Some((sub, size)) = r.trunc {
+        if let Some((sub, size, written)) = r.trunc {
             let s = usize::from(sub);
             return Err(truncation(
                 "receive",
@@ -244,6 +268,7 @@ impl Comm for RecvComm {
                 size,
                 r.tags[s],
                 r.caps[s],
+                written,
             ));
         }
         Ok(Some(Done {
@@ -274,16 +299,39 @@ impl Comm for RecvComm {
 }
 
 impl Drop for RecvComm {
-    /// Says `Bye`, then takes back what is still posted: NCCL may free its
-    /// buffers once close returns. Waits for the provider up to
-    /// `WEFT_PEER_TIMEOUT`.
+    /// Says `Bye`. RDMA: while buffers are offered, waits for the sender's
+    /// answering `Bye` (it writes nothing after it), its death, or
+    /// `WEFT_PEER_TIMEOUT`: NCCL may free its buffers once close returns.
+    /// Tagged: takes back what is still posted, waiting for the provider up
+    /// to `WEFT_PEER_TIMEOUT`.
     fn drop(&mut self) {
         let st = &mut *lock(&self.inner);
-        say_bye(&mut st.peer, &self.seat);
+        st.peer.say_bye(self.seat.ep(), 0);
+        let deadline = Instant::now() + self.dev.peer_timeout;
+        if st.path == Path::Rdma && st.busy() && st.peer.bye_said {
+            while !st.peer.bye_heard && st.peer.link.dead.is_none() {
+                // The sender answers when it is next progressed: by NCCL,
+                // or by its keeper (hurried here for a sender in this
+                // process; another process's ticks once a heartbeat period).
+                crate::core::keeper::hurry();
+                if let Err(e) = st.progress(&self.seat) {
+                    tracing::warn!("closing a receive comm: {e}");
+                    break;
+                }
+                if Instant::now() > deadline {
+                    tracing::warn!(
+                        "closing the receive comm from {} with buffers offered: the sender did not answer its Bye within {:.1} s (WEFT_PEER_TIMEOUT); it may still write into them",
+                        st.peer.link.name,
+                        self.dev.peer_timeout.as_secs_f64()
+                    );
+                    break;
+                }
+                std::thread::yield_now();
+            }
+        }
         if st.peer.link.dead.is_none() {
             st.peer.link.dead = Some("the comm was closed".to_owned());
         }
-        let deadline = Instant::now() + self.dev.peer_timeout;
         while st.holds_posted() {
             if let Err(e) = st.progress(&self.seat) {
                 tracing::warn!("closing a receive comm: {e}");
@@ -316,13 +364,20 @@ impl Side for RecvState {
             was
         })
     }
+    fn busy(&self) -> bool {
+        self.reqs
+            .live()
+            .any(|i| self.reqs.get(i).is_some_and(|r| !r.finished()))
+    }
     fn progress(&mut self, seat: &Seat) -> Result<()> {
         if self.peer.link.dead.is_some() {
             // Only take back what the provider still holds.
             self.to_post.clear();
             self.cancel_posted(seat);
             for ev in seat.poll()? {
-                self.on_event(ev);
+                if seat.is_from_peer(&mut self.peer.link, &ev) {
+                    self.on_event(ev);
+                }
             }
             return Ok(());
         }
@@ -332,14 +387,70 @@ impl Side for RecvState {
             self.peer.send(seat.ep(), Ctrl::Credit { count })?;
         }
         for ev in seat.poll()? {
-            self.peer.link.heard = true;
-            self.on_event(ev);
+            if seat.is_from_peer(&mut self.peer.link, &ev) {
+                self.peer.link.heard = true;
+                self.on_event(ev);
+            }
         }
         self.post_pending(seat)
     }
 }
 
 impl RecvState {
+    /// After the sender's `Bye`, what can never come fails: RDMA, every
+    /// request not finished (all it sent arrived before its Bye; eager
+    /// messages wait in the stash for receives posted later); tagged, once
+    /// every message it sent was matched, every request left (the others
+    /// may still match messages on their way).
+    fn settle_after_bye(&mut self) {
+        if !self.peer.bye_heard || self.peer.link.dead.is_some() {
+            return;
+        }
+        match self.path {
+            Path::Rdma => {
+                let failed = self.fail_all();
+                if failed > 0 {
+                    tracing::warn!(
+                        "receive comm from {}: {PEER_CLOSED}; {failed} receive(s) its messages can no longer fill failed",
+                        self.peer.link.name
+                    );
+                }
+            }
+            Path::Tagged => {
+                if self.peer_sent == Some(self.matched) {
+                    die(self, PEER_CLOSED.to_owned());
+                }
+            }
+        }
+    }
+
+    /// A new receive after the sender's `Bye`: RDMA, only one the stash can
+    /// fill whole; tagged, only while messages it sent are unmatched.
+    fn check_after_bye(&self, bufs: &[RecvBuf]) -> Result<()> {
+        if !self.peer.bye_heard {
+            return Ok(());
+        }
+        let servable = match self.path {
+            Path::Rdma => {
+                let mut next = self.next_idx.clone();
+                bufs.iter().all(|b| {
+                    let k = next.entry(b.tag).or_insert(0);
+                    let hit = self.stash.contains_key(&(b.tag, *k));
+                    *k = k.wrapping_add(1);
+                    hit
+                })
+            }
+            Path::Tagged => self.peer_sent != Some(self.matched),
+        };
+        if servable {
+            return Ok(());
+        }
+        Err(Error::remote(format!(
+            "irecv from {}: {PEER_CLOSED}, and nothing it sent is left for this receive",
+            self.peer.link.name
+        )))
+    }
+
     /// Whether the provider holds a buffer of any request.
     fn holds_posted(&self) -> bool {
         self.reqs
@@ -349,8 +460,8 @@ impl RecvState {
 
     fn on_event(&mut self, ev: Ev) {
         match ev {
-            Ev::Landed(local, size) => self.on_landed(local >> 3, local & 7, size),
-            Ev::Ctrl(bytes) => self.on_ctrl(&bytes),
+            Ev::Landed(local, hi) => self.on_landed(local >> 3, local & 7, hi),
+            Ev::Ctrl { bytes, .. } => self.on_ctrl(&bytes),
             Ev::Done(local, len) => self.on_received(local, Ok(len)),
             Ev::Failed(local, e) => self.on_received(local, Err(e)),
         }
@@ -374,6 +485,20 @@ impl RecvState {
                 self.fill(slot, i as u8, &data);
             }
         }
+        if self.peer.bye_heard {
+            // Served from the stash whole (`check_after_bye`): the sender
+            // takes no offer any more.
+            return Ok(());
+        }
+        let mut tickets = [0u32; MAX_RECVS];
+        for t in &mut tickets[..bufs.len()] {
+            let (key, n) = &mut self.tickets;
+            *n += 1;
+            *t = std::hash::BuildHasher::hash_one(&*key, *n) as u32;
+        }
+        if let Some(r) = self.reqs.get_mut(slot) {
+            r.tickets = tickets;
+        }
         let offsets = self.offsets;
         let rtr = Ctrl::Rtr {
             seq: self.seq,
@@ -381,9 +506,11 @@ impl RecvState {
             bufs: bufs
                 .iter()
                 .zip(idxs)
-                .map(|(b, idx)| {
+                .zip(tickets)
+                .map(|((b, idx), ticket)| {
                     let mem = Mem::first(b.mem);
                     RtrBuf {
+                        ticket,
                         tag: b.tag,
                         idx,
                         size: b.size as u64,
@@ -495,7 +622,7 @@ impl RecvState {
             Err(e) if e.err == fi::FI_ETRUNC => {
                 // Providers differ in what they report (shm gives no lengths).
                 let size = (e.olen > 0).then_some((e.len + e.olen) as u64);
-                r.trunc.get_or_insert((sub, size));
+                r.trunc.get_or_insert((sub, size, false));
             }
             Err(e) => {
                 r.failed.get_or_insert((sub, e.err));
@@ -505,6 +632,8 @@ impl RecvState {
         r.sized |= bit;
         // Every matched message, delivered or failed, frees a credit.
         self.credits_owed += 1;
+        self.matched = self.matched.wrapping_add(1);
+        self.settle_after_bye();
     }
 
     /// The buffer a peer's message names, if it is one in flight.
@@ -562,35 +691,53 @@ impl RecvState {
             };
         }
         r.landed |= 1 << sub;
-        r.size(sub, data.len() as u64);
+        r.size(sub, data.len() as u64, false);
     }
 
-    fn on_landed(&mut self, slot: u8, sub: u8, size: Option<u64>) {
-        if let Some(r) = self.buffer(slot, sub, "a write") {
-            r.landed |= 1 << sub;
-            if let Some(size) = size {
-                r.size(sub, size);
+    /// A write landed in buffer `sub` of `slot`; `hi`: its immediate's
+    /// upper 32 bits (wide immediates), the size XOR the offer's ticket. One
+    /// that decodes to no size the buffer can hold did not come from the
+    /// peer the buffer was offered to (a Weft sender checks the size first):
+    /// it is dropped.
+    fn on_landed(&mut self, slot: u8, sub: u8, hi: Option<u32>) {
+        let Some(r) = self.buffer(slot, sub, "a write") else {
+            return;
+        };
+        let s = usize::from(sub);
+        let size = hi.map(|hi| super::super::hub::immediate_size(hi, r.tickets[s]));
+        if let Some(Some(size)) = size {
+            if size > r.caps[s] {
+                self.peer
+                    .link
+                    .stranger("a write whose immediate matches no offer");
+                return;
             }
+            r.size(sub, size, true);
         }
+        r.landed |= 1 << sub;
     }
 
     fn on_ctrl(&mut self, bytes: &[u8]) {
         match Ctrl::decode(bytes) {
             Ok(Ctrl::Alive) => {}
-            Ok(Ctrl::Bye) => on_bye(self),
+            Ok(Ctrl::Bye { sent }) => {
+                self.peer.bye_heard = true;
+                self.peer_sent = Some(sent);
+                self.settle_after_bye();
+            }
             Ok(Ctrl::Wrote { slot, sub, size }) => {
                 if let Some(r) = self.buffer(slot, sub, "a size") {
                     if size == 0 {
                         // Nothing to write: no immediate comes.
                         r.landed |= 1 << sub;
                     }
-                    r.size(sub, size);
+                    r.size(sub, size, true);
                 }
             }
             Ok(Ctrl::Eager { tag, idx, data }) => self.on_eager(tag, idx, data),
             Ok(Ctrl::Trunc { slot, sub, size }) => {
                 if let Some(r) = self.buffer(slot, sub, "a truncation") {
-                    r.trunc.get_or_insert((sub, Some(size)));
+                    r.trunc.get_or_insert((sub, Some(size), false));
                     r.landed |= 1 << sub;
                     r.sized |= 1 << sub;
                 }

@@ -8,13 +8,14 @@ use std::time::Instant;
 
 use libfabric_sys as fi;
 
-use super::super::ctrl::Peer;
+use super::super::ctrl::{frame_head, Peer, CTRL_HEAD};
 use super::super::handshake::{self, nonce, Connecting, Phase};
 use super::super::hub::{context, data_tag, immediate, NO_SIZE};
 use super::super::pool::Pool;
 use super::super::wire::RtrBuf;
 use super::super::{Comm, Done, Mem, ReqId, MAX_RECVS, MAX_REQUESTS};
 use super::*;
+use crate::fabric::FiAddr;
 
 /// A sending comm (also the state of a `connect` in progress).
 pub struct SendComm {
@@ -67,6 +68,9 @@ struct SendState {
     inject_max: usize,
     /// Scratch for encoding an eager message.
     scratch: Vec<u8>,
+    /// Tagged data messages sent (wrapping; the receiver learns it from
+    /// this comm's `Bye`).
+    sent_tagged: u32,
 }
 
 impl std::fmt::Debug for SendComm {
@@ -100,6 +104,7 @@ impl SendComm {
             dev.peer_timeout,
         );
         let inject_max = dev.eager_size.min(dev.dev.inject_size);
+        let peer = PeerLink::new(&seat);
         Ok(Self {
             dev,
             traffic_class,
@@ -110,7 +115,7 @@ impl SendComm {
                 connect,
                 listener,
                 listener_id: handle.id,
-                peer: PeerLink::new(),
+                peer,
                 reqs,
                 offers: VecDeque::with_capacity(MAX_REQUESTS * MAX_RECVS),
                 next_seq: 0,
@@ -121,6 +126,7 @@ impl SendComm {
                 eager_max: 0,
                 inject_max,
                 scratch: Vec::new(),
+                sent_tagged: 0,
             }),
         })
     }
@@ -144,7 +150,7 @@ impl Sender for SendComm {
                     id: seat.id,
                     addr: seat.hub.name(Port::Active).to_vec(),
                 };
-                send_ctrl_to(seat.ep(), &st.listener, st.listener_id, &msg)
+                send_ctrl_to(seat.ep(), &st.listener, st.listener_id, seat.token, &msg)
             },
             |st| st.progress(seat),
             self.dev.peer_timeout,
@@ -172,6 +178,12 @@ impl Sender for SendComm {
             ));
         }
         st.peer.link.check()?;
+        if st.peer.bye_heard {
+            return Err(Error::remote(format!(
+                "isend to {}: {PEER_CLOSED}",
+                st.peer.link.name
+            )));
+        }
         // SAFETY: passed on from the caller's contract.
         unsafe {
             match st.path {
@@ -244,6 +256,7 @@ impl SendComm {
         match posted {
             Ok(()) => {
                 st.credits -= 1;
+                st.sent_tagged = st.sent_tagged.wrapping_add(1);
                 Ok(Self::req_id(st, idx))
             }
             Err(e) => {
@@ -297,6 +310,7 @@ impl SendComm {
                     Some(size as u64),
                     tag,
                     o.buf.size,
+                    false,
                 ));
             }
         }
@@ -310,7 +324,8 @@ impl SendComm {
             let bytes = unsafe { std::slice::from_raw_parts(data, size) };
             let SendState { scratch, peer, .. } = &mut *st;
             scratch.clear();
-            scratch.extend_from_slice(&peer.id.to_le_bytes());
+            scratch.resize(CTRL_HEAD, 0);
+            frame_head(scratch, peer.id, peer.me);
             Ctrl::encode_eager(tag, k, bytes, scratch);
             let ep = self.seat.ep();
             let sent = peer.link.peer.send("fi_inject", |a| ep.inject(scratch, a));
@@ -360,7 +375,7 @@ impl SendComm {
         // else (and for an empty message, which writes nothing) in a Wrote.
         let in_imm = (size > 0 && self.seat.hub.wide()).then_some(size as u64);
         if size > 0 {
-            let imm = immediate(st.peer.id, (o.slot << 3) | o.sub, in_imm);
+            let imm = immediate(st.peer.id, (o.slot << 3) | o.sub, in_imm, o.buf.ticket);
             let ep = self.seat.ep();
             let posted = st.peer.link.peer.send("fi_writedata", |a| {
                 // SAFETY: NCCL keeps `data..data+size` (checked against its
@@ -473,7 +488,9 @@ impl Comm for SendComm {
 
 impl Drop for SendComm {
     fn drop(&mut self) {
-        say_bye(&mut lock(&self.inner).peer, &self.seat);
+        let st = &mut *lock(&self.inner);
+        let sent = st.sent_tagged;
+        st.peer.say_bye(self.seat.ep(), sent);
     }
 }
 
@@ -495,13 +512,27 @@ impl Side for SendState {
             was
         })
     }
+    fn busy(&self) -> bool {
+        self.reqs
+            .live()
+            .any(|i| self.reqs.get(i).is_some_and(|r| !r.done))
+    }
     fn progress(&mut self, seat: &Seat) -> Result<()> {
         self.peer.flush(seat.ep())?;
         for ev in seat.poll()? {
             match ev {
-                Ev::Ctrl(bytes) => {
+                Ev::Ctrl { token, src, bytes } => {
+                    if self.connect.phase() != Phase::Ready {
+                        // Only an Ack, from the listener's endpoint, is
+                        // taken before the handshake is done.
+                        self.on_ack(seat, token, src, &bytes)?;
+                        continue;
+                    }
+                    if !self.peer.link.is_from_peer(token, src, seat.hub.sources()) {
+                        continue;
+                    }
                     self.peer.link.heard = true;
-                    self.on_ctrl(seat, &bytes)?;
+                    self.on_ctrl(&bytes);
                 }
                 Ev::Done(local, _) => {
                     if let Some(r) = self.reqs.get_mut(local).filter(|r| !r.done) {
@@ -516,9 +547,16 @@ impl Side for SendState {
                     }
                 }
                 Ev::Landed(..) => {
-                    tracing::warn!("send comm: ignored a write into its memory")
+                    tracing::debug!("send comm: ignored a write into its memory")
                 }
             }
+        }
+        // The receiver said Bye: once none of this comm's writes is in
+        // flight, the answering Bye tells it nothing more will land, so its
+        // close can return.
+        if self.peer.bye_heard && !self.peer.bye_said && !self.busy() {
+            let sent = self.sent_tagged;
+            self.peer.say_bye(seat.ep(), sent);
         }
         Ok(())
     }
@@ -532,10 +570,11 @@ impl SendState {
             .position(|o| o.buf.tag == tag && o.buf.idx == k)
     }
 
-    fn on_ctrl(&mut self, seat: &Seat, bytes: &[u8]) -> Result<()> {
+    /// A control message from the peer, once connected.
+    fn on_ctrl(&mut self, bytes: &[u8]) {
         match Ctrl::decode(bytes) {
             Ok(Ctrl::Rtr { seq, slot, bufs })
-                if self.connect.phase() == Phase::Ready && self.path == Path::Rdma =>
+                if self.path == Path::Rdma && !self.peer.bye_heard =>
             {
                 if usize::from(slot) >= MAX_REQUESTS || self.early.len() >= MAX_REQUESTS {
                     tracing::warn!(
@@ -543,7 +582,7 @@ impl SendState {
                         self.peer.link.name,
                         self.early.len()
                     );
-                    return Ok(());
+                    return;
                 }
                 self.early.insert(seq, (slot, bufs));
                 while let Some((slot, bufs)) = self.early.remove(&self.next_seq) {
@@ -563,18 +602,40 @@ impl SendState {
                 }
             }
             Ok(Ctrl::Alive) => {}
-            Ok(Ctrl::Bye) => on_bye(self),
+            Ok(Ctrl::Bye { .. }) => {
+                // The receive comm is closing: none of its offers may be
+                // written any more (NCCL frees those buffers after the
+                // close). Sends already with the provider end with their
+                // own completion; new ones are refused.
+                self.peer.bye_heard = true;
+                self.offers.clear();
+                self.early.clear();
+            }
             Ok(Ctrl::Credit { count }) => {
                 // A peer can never grant more than it announced.
                 self.credits = self.credits.saturating_add(count).min(self.max_credits);
             }
+            Ok(other) => tracing::warn!("send comm: ignored unexpected control message {other:?}"),
+            Err(e) => tracing::warn!("send comm: ignored a bad control message: {e}"),
+        }
+    }
+
+    /// A control message while connecting: the listener's Ack (sent by the
+    /// new receive comm, with its token, from the listener's endpoint) makes
+    /// the link; anything else is dropped.
+    fn on_ack(&mut self, seat: &Seat, token: u32, src: FiAddr, bytes: &[u8]) -> Result<()> {
+        if seat.hub.sources() && src != self.listener.addr {
+            tracing::debug!("send comm: dropped a message from {src:#x} while connecting");
+            return Ok(());
+        }
+        match Ctrl::decode(bytes) {
             Ok(Ctrl::Ack {
                 conn,
                 id,
                 addr,
                 credits,
                 eager,
-            }) if self.connect.takes_ack(conn) => {
+            }) if self.connect.takes_ack(conn) && token != 0 => {
                 if id == 0 || id >= super::super::hub::MAX_ID {
                     tracing::warn!("send comm: ignored an Ack naming comm id {id}");
                     return Ok(());
@@ -584,6 +645,8 @@ impl SendState {
                     return Ok(());
                 }
                 self.peer.id = id;
+                self.peer.link.token = token;
+                self.peer.link.heard = true;
                 self.max_credits = credits.clamp(1, self.path.credits().0);
                 self.credits = self.max_credits;
                 self.eager_max = (eager as usize).min(seat.hub.eager_max());
@@ -597,7 +660,7 @@ impl SendState {
                 })?;
                 self.peer.link.last_said = Some(Instant::now());
             }
-            Ok(other) => tracing::warn!("send comm: ignored unexpected control message {other:?}"),
+            Ok(other) => tracing::debug!("send comm: ignored {other:?} while connecting"),
             Err(e) => tracing::warn!("send comm: ignored a bad control message: {e}"),
         }
         Ok(())
