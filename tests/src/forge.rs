@@ -27,6 +27,9 @@ pub struct Forger {
     token: Cell<u32>,
 }
 
+/// The forger's own token (what it signs with unless told otherwise).
+const OWN_TOKEN: u32 = 0x5eed_f00d;
+
 /// What a forger learned by connecting to a listener as a send comm.
 #[derive(Debug, Clone, Copy)]
 pub struct Linked {
@@ -64,7 +67,7 @@ impl Forger {
             src,
             _domain: domain,
             id: Cell::new(0),
-            token: Cell::new(0x5eed_f00d),
+            token: Cell::new(OWN_TOKEN),
         };
         f.post();
         f
@@ -93,6 +96,12 @@ impl Forger {
     /// Sends from now on carry `token` (as if from the comm that has it).
     pub fn sign(&self, token: u32) {
         self.token.set(token);
+    }
+
+    /// Speaks again as itself to the receive comm it connected to.
+    pub fn as_itself(&self, linked: &Linked) {
+        self.aim(linked.id);
+        self.sign(OWN_TOKEN);
     }
 
     /// This endpoint's name (a valid address to put in messages).
@@ -193,6 +202,7 @@ impl Forger {
             id: 77,
             addr: self.name(),
         };
+        self.sign(OWN_TOKEN);
         self.send_while(listener, &msg, &mut progress);
         let (id, token, addr) = crate::poll_until("the listener's Ack", || {
             progress();

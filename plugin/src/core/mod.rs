@@ -1235,6 +1235,19 @@ pub fn endpoint_open_for_test(comm: *mut c_void) -> Result<bool> {
     }
 }
 
+/// Test hook: send or receive comm `comm`'s id and token on its device's
+/// shared endpoint (what a third party would have to learn to speak for it).
+#[doc(hidden)]
+pub fn wire_id_for_test(comm: *mut c_void) -> Result<Option<(u32, u32)>> {
+    if let Some(s) = REG.send.get(comm) {
+        Ok(s.comm.wire_id())
+    } else if let Some(r) = REG.recv.get(comm) {
+        Ok(r.comm.wire_id())
+    } else {
+        Err(Error::internal(format!("{comm:p} is not a live comm")))
+    }
+}
+
 /// Checks that `ctx` is a live context.
 pub fn check_ctx(p: *mut c_void) -> Result<()> {
     ctx(p).map(drop)

@@ -234,6 +234,12 @@ pub trait Comm: Send + Sync + std::fmt::Debug {
     /// comm (its endpoint is open).
     #[doc(hidden)]
     fn endpoint_open(&self) -> bool;
+    /// Test hook: the comm's id and token on its hub, where it has one (a
+    /// hostile-input test plays a third party that learned them).
+    #[doc(hidden)]
+    fn wire_id(&self) -> Option<(u32, u32)> {
+        None
+    }
 }
 
 /// A sending comm (also the state of a `connect` in progress).

@@ -623,3 +623,5 @@ fn shm_regions_left_under_this_pid_are_removed() {
     send_verified(s, r, 3, 4096);
     close_pair(s, r);
 }
+
+mod peers;

@@ -291,6 +291,9 @@ impl Comm for RecvComm {
     fn hold(&self, held: &Tx<()>, release: &Rx<()>) {
         hold(&self.inner, held, release);
     }
+    fn wire_id(&self) -> Option<(u32, u32)> {
+        Some((self.seat.id, self.seat.token))
+    }
     /// Whether the provider still holds a posted buffer (tagged receives
     /// only: RDMA buffers are offered to the peer, never posted).
     fn endpoint_open(&self) -> bool {

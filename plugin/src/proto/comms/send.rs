@@ -479,6 +479,9 @@ impl Comm for SendComm {
     fn hold(&self, held: &Tx<()>, release: &Rx<()>) {
         hold(&self.inner, held, release);
     }
+    fn wire_id(&self) -> Option<(u32, u32)> {
+        Some((self.seat.id, self.seat.token))
+    }
     /// Never: see the module's "Liveness" (a write may still read its
     /// source, but nothing of NCCL's is written).
     fn endpoint_open(&self) -> bool {

@@ -1,0 +1,472 @@
+//! Third parties and hostile peers on the device's shared endpoints: a
+//! comm hears only its own peer, a key opens only what NCCL registered, a
+//! closed comm's buffers are never written, and what a peer sent before its
+//! `Bye` is still received. Each test fails without the fix it covers.
+
+use std::ffi::c_void;
+
+use weft::core;
+use weft::proto::hub::{data_tag, immediate};
+use weft::proto::wire::{Ctrl, ListenHandle};
+use weft_tests::forge::{Forger, Linked};
+use weft_tests::host::*;
+use weft_tests::poll_until;
+
+/// Runs `f(provider)` with `WEFT_PROTOCOL=protocol`, in a process of its own.
+macro_rules! each {
+    ($f:ident: $($name:ident = $provider:literal, $protocol:literal;)+) => {
+        $(
+            #[test]
+            fn $name() {
+                weft_tests::isolated!();
+                std::env::set_var("WEFT_PROTOCOL", $protocol);
+                $f($provider);
+            }
+        )+
+    };
+}
+
+/// A forger connected to a fresh listener of `ctx` as a send comm, and the
+/// receive comm the host accepted for it.
+fn forger_pair(ctx: *mut c_void, provider: &str) -> (Forger, Linked, *mut c_void) {
+    let (h, l) = listen(ctx);
+    let f = Forger::open(provider);
+    let mut r = None;
+    let linked = f.connect_to(&ListenHandle::decode(&h).unwrap(), || {
+        if r.is_none() {
+            r = core::accept(l).expect("accept");
+        }
+    });
+    let r = r.unwrap_or_else(|| accept(l));
+    core::close_listen(l).unwrap();
+    (f, linked, r)
+}
+
+/// The next Rtr the forger receives, while `progress` runs.
+fn next_rtr(f: &Forger, mut progress: impl FnMut()) -> (u8, weft::proto::wire::RtrBuf) {
+    poll_until("an Rtr at the forger", || {
+        progress();
+        match f.try_recv() {
+            Some(Ctrl::Rtr { slot, bufs, .. }) => Some((slot, bufs[0])),
+            _ => None,
+        }
+    })
+}
+
+/// A buffer of three pages, page aligned, filled with `fill`.
+fn pages(fill: u8) -> (Vec<u8>, usize) {
+    let page = 4096;
+    let v = vec![fill; 4 * page];
+    let off = (page - v.as_ptr() as usize % page) % page;
+    (v, off)
+}
+
+/// NCCL registers 1 KiB in the middle of a page and posts a receive into
+/// it; the peer it is offered to writes inside it (fine) and 512 B before
+/// and after it with the offered key: the provider refuses both, and not
+/// one byte outside NCCL's registration changes.
+fn a_key_opens_only_the_registered_bytes(provider: &str) {
+    // tcp breaks the connection of a refused write (the forger, which never
+    // says Alive, is then declared dead after this long).
+    std::env::set_var("WEFT_PEER_TIMEOUT", "5");
+    let ctx = init(provider);
+    let (f, linked, r) = forger_pair(ctx, provider);
+    let (mut mem, off) = pages(0x11);
+    let at = off + 4096 + 1024;
+    let mh = reg(r, &mem[at..at + 1024]);
+    let base = mem.as_ptr() as usize;
+    let args = [core::RecvArg {
+        data: (base + at) as *mut c_void,
+        size: 1024,
+        tag: 9,
+        mhandle: mh,
+        phandle: std::ptr::null_mut(),
+    }];
+    let q = poll_until("irecv", || irecv_raw(r, &args).unwrap());
+    let (slot, buf) = next_rtr(&f, || {
+        let _ = core::test(q);
+    });
+    assert_eq!(buf.size, 1024);
+    // Inside: 512 bytes, the size in the immediate (tcp and shm have 8 bytes).
+    let imm = immediate(linked.id, slot << 3, Some(512), buf.ticket);
+    f.write(linked.to, 512, buf.addr, buf.key, imm, || {})
+        .expect("a write inside the offer");
+    let done = poll_until("the receive", || core::test(q).unwrap());
+    assert_eq!(done.sizes[0], 512);
+    assert!(
+        mem[at..at + 512].iter().all(|&b| b == 0xEE),
+        "{provider}: the write landed"
+    );
+    // Outside: before and after the registration, with the same key.
+    let before = buf.addr.wrapping_sub(512);
+    let after = buf.addr + 1024;
+    for (what, addr) in [("before", before), ("after", after)] {
+        let r = f.write(linked.to, 512, addr, buf.key, u64::from(u32::MAX), || {});
+        println!("{provider}: a write 512 B {what} the registration: {r:?}");
+    }
+    // A write completes at the writer before it lands at the target (which
+    // applies it when it progresses): one more receive, written after them
+    // on the same connection, lands after them.
+    let q = poll_until("irecv", || irecv_raw(r, &args).unwrap());
+    let (slot, buf) = next_rtr(&f, || {
+        let _ = core::test(q);
+    });
+    let imm = immediate(linked.id, slot << 3, Some(16), buf.ticket);
+    if f.write(linked.to, 16, buf.addr, buf.key, imm, || {})
+        .is_ok()
+    {
+        poll_until("the receive after them", || {
+            core::test(q).map_or(Some(()), |d| d.map(drop))
+        });
+    } else {
+        // The provider broke the connection over the refused writes: what
+        // landed, landed.
+        for _ in 0..1000 {
+            let _ = core::test(q);
+        }
+    }
+    let outside = mem[..at]
+        .iter()
+        .chain(&mem[at + 1024..])
+        .filter(|&&b| b != 0x11)
+        .count();
+    assert_eq!(
+        outside, 0,
+        "{provider}: {outside} bytes NCCL never registered changed"
+    );
+    core::dereg_mr(r, mh).unwrap();
+    mem.clear();
+    let _ = core::close_recv(r);
+}
+each!(a_key_opens_only_the_registered_bytes:
+    tcp_a_key_opens_only_the_registered_bytes = "tcp", "rdma";
+    shm_a_key_opens_only_the_registered_bytes = "shm", "rdma";
+);
+
+/// A third party that learned a victim receive comm's id (and even its
+/// peer's token) and has a comm of its own to the same device speaks for
+/// the victim's sender: forged Eager, Wrote, Trunc and Bye messages, write
+/// immediates naming the victim's buffers, and (sendrecv) tagged data on
+/// the victim's tags. The victim's receive gets exactly what its real peer
+/// sent, and the pair keeps working.
+fn a_third_party_cannot_speak_for_a_comm(provider: &str) {
+    let ctx = init_logged(provider);
+    let (s, r) = pair(ctx);
+    let (f, linked, r2) = forger_pair(ctx, provider);
+    let (victim, _) = core::wire_id_for_test(r)
+        .unwrap()
+        .expect("a comm on the hub");
+    let (_, sender_token) = core::wire_id_for_test(s)
+        .unwrap()
+        .expect("a comm on the hub");
+    let rdma = std::env::var("WEFT_PROTOCOL").as_deref() == Ok("rdma");
+    // The victim's receive, posted first so that its buffers are offered.
+    let want = pattern(1, 4, 6000);
+    let mut got = vec![0u8; 6000];
+    let rmh = reg(r, &got);
+    let q = irecv(r, &mut [&mut got[..]], &[4], &[rmh]);
+    // The attacker's own buffer at its own receive comm, to write through.
+    let mut own = vec![0u8; 64];
+    let own_mh = reg(r2, &own);
+    let q2 = irecv(r2, &mut [&mut own[..]], &[1], &[own_mh]);
+    let poke = || {
+        let _ = core::test(q);
+    };
+    let own_offer = rdma.then(|| next_rtr(&f, poke));
+    f.aim(victim);
+    for token in [0x1234_5678, sender_token] {
+        f.sign(token);
+        for slot in 0..32u8 {
+            for msg in [
+                Ctrl::Wrote {
+                    slot,
+                    sub: 0,
+                    size: 7,
+                },
+                Ctrl::Trunc {
+                    slot,
+                    sub: 0,
+                    size: 1 << 20,
+                },
+            ] {
+                f.send_while(linked.to, &msg, poke);
+            }
+        }
+        let eager = Ctrl::Eager {
+            tag: 4,
+            idx: 0,
+            data: b"EVIL".to_vec(),
+        };
+        f.send_while(linked.to, &eager, poke);
+        f.send_while(linked.to, &Ctrl::Bye { sent: 0 }, poke);
+    }
+    if let Some((_, buf)) = own_offer {
+        // Writes into the attacker's own offer, their immediates naming the
+        // victim's buffers, with every ticket a guess.
+        for (i, vslot) in (0..32u8).enumerate() {
+            let imm = immediate(victim, vslot << 3, Some(7), 0x9e37_79b9 ^ i as u32);
+            f.write(linked.to, 8, buf.addr, buf.key, imm, poke)
+                .expect("a write into its own offer");
+        }
+    } else {
+        // Tagged data, with CQ data, on the victim's tag.
+        for n in 0..64u64 {
+            let tag = data_tag(victim, 4);
+            f.inject_data_while(linked.to, b"EVIL-TAGGED", n, Some(tag), poke);
+        }
+    }
+    // Nothing of that completed the victim's receive.
+    for _ in 0..200 {
+        assert!(
+            core::test(q).unwrap().is_none(),
+            "{provider}: a forged message completed the victim's receive"
+        );
+    }
+    let smh = reg(s, &want);
+    let (_, d) = wait2(isend(s, &want, 4, smh), q);
+    assert_eq!(
+        d.sizes[0],
+        want.len(),
+        "{provider}: the victim got the real size"
+    );
+    assert!(got == want, "{provider}: the victim's data was changed");
+    send_verified(s, r, 5, 100);
+    send_verified(s, r, 6, 70_000);
+    let dropped = weft_tests::capture::lines()
+        .iter()
+        .filter(|l| l.text.contains("not from its peer"))
+        .count();
+    assert!(dropped >= 1, "{provider}: the victim logs what it dropped");
+    core::dereg_mr(s, smh).unwrap();
+    core::dereg_mr(r, rmh).unwrap();
+    // The attacker's own receive comm closes with its offer out: the
+    // attacker answers its Bye as a Weft sender would.
+    f.as_itself(&linked);
+    f.send_while(linked.to, &Ctrl::Bye { sent: 0 }, || {
+        let _ = core::test(q2);
+    });
+    core::dereg_mr(r2, own_mh).unwrap();
+    close_pair(s, r);
+    core::close_recv(r2).unwrap();
+}
+each!(a_third_party_cannot_speak_for_a_comm:
+    tcp_rdma_a_third_party_cannot_speak_for_a_comm = "tcp", "rdma";
+    shm_rdma_a_third_party_cannot_speak_for_a_comm = "shm", "rdma";
+    tcp_sendrecv_a_third_party_cannot_speak_for_a_comm = "tcp", "sendrecv";
+    shm_sendrecv_a_third_party_cannot_speak_for_a_comm = "shm", "sendrecv";
+);
+
+/// `irecv(1 MiB)`, `closeRecv`, then `isend` of 1 MiB at the other end:
+/// the closed comm's buffer (which NCCL frees after the close) never
+/// changes, and the send fails saying the peer closed.
+fn no_write_after_close_recv(provider: &str) {
+    let ctx = init(provider);
+    let (s, r) = pair(ctx);
+    const LEN: usize = 1 << 20;
+    let mut dst = vec![0x5Au8; LEN];
+    let rmh = reg(r, &dst);
+    let _q = irecv(r, &mut [&mut dst[..]], &[2], &[rmh]);
+    // The sender takes the offer in (a small send of another tag reads it).
+    let small = [1u8; 8];
+    let small_mh = reg(s, &small);
+    wait(isend(s, &small, 3, small_mh));
+    core::close_recv(r).unwrap();
+    let src = vec![0xA5u8; LEN];
+    let smh = reg(s, &src);
+    let outcome = poll_until("the send after the peer closed", || {
+        match isend_raw(
+            s,
+            src.as_ptr() as *mut c_void,
+            LEN,
+            2,
+            smh,
+            std::ptr::null_mut(),
+        ) {
+            Ok(None) => None,
+            Ok(Some(q)) => Some(poll_until("its test", || match core::test(q) {
+                Ok(None) => None,
+                Ok(Some(_)) => Some(Ok(())),
+                Err(e) => Some(Err(e)),
+            })),
+            Err(e) => Some(Err(e)),
+        }
+    });
+    let changed = dst.iter().filter(|&&b| b != 0x5A).count();
+    assert_eq!(
+        changed, 0,
+        "{provider}: {changed} bytes landed in a closed comm's buffer"
+    );
+    let e = outcome.expect_err("a send to a closed comm must fail");
+    assert!(e.msg.contains("closed"), "{provider}: {e}");
+    core::dereg_mr(r, rmh).unwrap();
+    core::dereg_mr(s, small_mh).unwrap();
+    core::dereg_mr(s, smh).unwrap();
+    core::close_send(s).unwrap();
+}
+each!(no_write_after_close_recv:
+    tcp_no_write_after_close_recv = "tcp", "rdma";
+    shm_no_write_after_close_recv = "shm", "rdma";
+);
+
+/// 600 untagged messages with remote CQ data (which Weft never sends) from
+/// a host that never shook hands land in the listener's control buffers:
+/// each is dropped and its buffer posted again, so the listener still
+/// accepts, and the comm moves data.
+fn messages_with_cq_data_never_eat_control_buffers(provider: &str) {
+    let ctx = init(provider);
+    let (mut h, l) = listen(ctx);
+    let real = ListenHandle::decode(&h).unwrap();
+    let f = Forger::open(provider);
+    let to = f.peer(&real.addr);
+    let mut bytes = real.id.to_le_bytes().to_vec();
+    bytes.extend_from_slice(&[0u8; 28]);
+    for n in 0..600u64 {
+        f.inject_data_while(to, &bytes, (u64::from(real.id) << 8) | n, None, || {
+            assert!(core::accept(l).unwrap().is_none());
+        });
+        if n % 16 == 0 {
+            assert!(core::accept(l).unwrap().is_none());
+        }
+    }
+    let (s, r) = connect_pair(ctx, &mut h, l);
+    send_verified(s, r, 3, 100);
+    send_verified(s, r, 3, 50_000);
+    core::close_listen(l).unwrap();
+    close_pair(s, r);
+}
+each!(messages_with_cq_data_never_eat_control_buffers:
+    tcp_rdma_messages_with_cq_data_never_eat_control_buffers = "tcp", "rdma";
+    shm_rdma_messages_with_cq_data_never_eat_control_buffers = "shm", "rdma";
+    tcp_sendrecv_messages_with_cq_data_never_eat_control_buffers = "tcp", "sendrecv";
+);
+
+/// 64 connects at once to one listener (a restart storm, or a host
+/// misusing one listener): every one is accepted, and every comm moves a
+/// verified message.
+fn many_connects_to_one_listener(provider: &str) {
+    let ctx = init(provider);
+    let (h, l) = listen(ctx);
+    const N: usize = 64;
+    let mut handles = vec![h; N];
+    let mut sends: Vec<Option<*mut c_void>> = vec![None; N];
+    let mut recvs = Vec::new();
+    poll_until("64 connects and accepts", || {
+        for (i, s) in sends.iter_mut().enumerate() {
+            if s.is_none() {
+                *s = core::connect(ctx, 0, None, &mut handles[i]).expect("connect");
+            }
+        }
+        if let Some(r) = core::accept(l).expect("accept") {
+            recvs.push(r);
+        }
+        (recvs.len() == N && sends.iter().all(Option::is_some)).then_some(())
+    });
+    core::close_listen(l).unwrap();
+    // Which receive comm belongs to which send comm is for the test to find
+    // out: each send carries its index, each receive takes any.
+    let sends: Vec<*mut c_void> = sends.into_iter().map(Option::unwrap).collect();
+    let bufs: Vec<Vec<u8>> = (0..N).map(|i| pattern(i as u64, 1, 200)).collect();
+    let smhs: Vec<_> = sends.iter().zip(&bufs).map(|(&s, b)| reg(s, b)).collect();
+    let mut dsts: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; 200]).collect();
+    let rmhs: Vec<_> = recvs.iter().zip(&dsts).map(|(&r, d)| reg(r, d)).collect();
+    let rqs: Vec<_> = recvs
+        .iter()
+        .zip(dsts.iter_mut())
+        .zip(&rmhs)
+        .map(|((&r, d), &mh)| irecv(r, &mut [&mut d[..]], &[1], &[mh]))
+        .collect();
+    let sqs: Vec<_> = sends
+        .iter()
+        .zip(&bufs)
+        .zip(&smhs)
+        .map(|((&s, b), &mh)| isend(s, b, 1, mh))
+        .collect();
+    let mut done = [false; 2 * N];
+    poll_until("64 transfers", || {
+        for (i, &q) in sqs.iter().chain(&rqs).enumerate() {
+            if !done[i] {
+                done[i] = core::test(q).expect("test").is_some();
+            }
+        }
+        done.iter().all(|&d| d).then_some(())
+    });
+    let mut seen: Vec<usize> = dsts
+        .iter()
+        .map(|d| {
+            bufs.iter()
+                .position(|b| b == d)
+                .expect("a message arrived intact")
+        })
+        .collect();
+    seen.sort_unstable();
+    assert_eq!(
+        seen,
+        (0..N).collect::<Vec<_>>(),
+        "{provider}: every comm got its own message"
+    );
+    for (s, mh) in sends.iter().zip(smhs) {
+        core::dereg_mr(*s, mh).unwrap();
+        core::close_send(*s).unwrap();
+    }
+    for (r, mh) in recvs.iter().zip(rmhs) {
+        core::dereg_mr(*r, mh).unwrap();
+        core::close_recv(*r).unwrap();
+    }
+}
+each!(many_connects_to_one_listener:
+    tcp_rdma_many_connects_to_one_listener = "tcp", "rdma";
+    shm_rdma_many_connects_to_one_listener = "shm", "rdma";
+    tcp_sendrecv_many_connects_to_one_listener = "tcp", "sendrecv";
+);
+
+/// A sender that finished 4 small sends and closed: the receiver's later
+/// receives still get all 4 (rdma: from the stash; sendrecv: from the
+/// provider), and a fifth fails saying the peer closed.
+fn what_was_sent_before_bye_is_received(provider: &str) {
+    let ctx = init(provider);
+    let (s, r) = pair(ctx);
+    let msgs: Vec<Vec<u8>> = (0..4).map(|i| pattern(i, 7, 32)).collect();
+    for m in &msgs {
+        let mh = reg(s, m);
+        wait(isend(s, m, 7, mh));
+        core::dereg_mr(s, mh).unwrap();
+    }
+    core::close_send(s).unwrap();
+    // Let the Bye arrive before the receives are posted.
+    let mut probe = vec![0u8; 32];
+    let pmh = reg(r, &probe);
+    for (i, m) in msgs.iter().enumerate() {
+        let mut dst = vec![0u8; 32];
+        let mh = reg(r, &dst);
+        let q = irecv(r, &mut [&mut dst[..]], &[7], &[mh]);
+        let d = wait(q);
+        assert_eq!(d.sizes[0], 32, "{provider}: message {i}");
+        assert!(&dst == m, "{provider}: message {i} differs");
+        core::dereg_mr(r, mh).unwrap();
+    }
+    let args = [core::RecvArg {
+        data: probe.as_mut_ptr().cast(),
+        size: 32,
+        tag: 7,
+        mhandle: pmh,
+        phandle: std::ptr::null_mut(),
+    }];
+    let e = poll_until("the fifth receive to fail", || match irecv_raw(r, &args) {
+        Ok(None) => None,
+        Ok(Some(q)) => poll_until("its test", || match core::test(q) {
+            Ok(None) => None,
+            Ok(Some(_)) => panic!("{provider}: a fifth message out of nowhere"),
+            Err(e) => Some(Some(e)),
+        }),
+        Err(e) => Some(e),
+    });
+    assert!(e.msg.contains("closed"), "{provider}: {e}");
+    core::dereg_mr(r, pmh).unwrap();
+    core::close_recv(r).unwrap();
+}
+each!(what_was_sent_before_bye_is_received:
+    tcp_rdma_what_was_sent_before_bye_is_received = "tcp", "rdma";
+    shm_rdma_what_was_sent_before_bye_is_received = "shm", "rdma";
+    tcp_sendrecv_what_was_sent_before_bye_is_received = "tcp", "sendrecv";
+    shm_sendrecv_what_was_sent_before_bye_is_received = "shm", "sendrecv";
+);
