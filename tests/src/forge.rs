@@ -127,18 +127,8 @@ impl Forger {
     }
 
     /// Injects `bytes` as they are (an untagged message) to `to`.
-    pub fn inject_while(&self, to: FiAddr, bytes: &[u8], mut progress: impl FnMut()) {
-        let mut c = [Completion::default(); 4];
-        crate::poll_until("forger send", || {
-            match self.ep.inject(bytes, to) {
-                Ok(()) => return Some(()),
-                Err(e) if e.is_again() => {}
-                Err(e) => panic!("forger send: {e}"),
-            }
-            let _ = self.ep.cq().read(&mut c);
-            progress();
-            None
-        });
+    pub fn inject_while(&self, to: FiAddr, bytes: &[u8], progress: impl FnMut()) {
+        self.retry("fi_inject", || self.ep.inject(bytes, to), progress);
     }
 
     /// Injects `bytes` with remote CQ data `data` (untagged, or tagged with
@@ -149,18 +139,29 @@ impl Forger {
         bytes: &[u8],
         data: u64,
         tag: Option<u64>,
+        progress: impl FnMut(),
+    ) {
+        let send = || match tag {
+            None => self.ep.injectdata(bytes, data, to),
+            Some(t) => self.ep.tinjectdata(bytes, data, to, t),
+        };
+        self.retry("fi_injectdata", send, progress);
+    }
+
+    /// Calls `send` until the provider takes it, reading the forger's CQ
+    /// and calling `progress` between tries.
+    fn retry(
+        &self,
+        what: &str,
+        mut send: impl FnMut() -> Result<(), weft::fabric::FiError>,
         mut progress: impl FnMut(),
     ) {
         let mut c = [Completion::default(); 4];
-        crate::poll_until("forger injectdata", || {
-            let r = match tag {
-                None => self.ep.injectdata(bytes, data, to),
-                Some(t) => self.ep.tinjectdata(bytes, data, to, t),
-            };
-            match r {
+        crate::poll_until(what, || {
+            match send() {
                 Ok(()) => return Some(()),
                 Err(e) if e.is_again() => {}
-                Err(e) => panic!("forger injectdata: {e}"),
+                Err(e) => panic!("forger {what}: {e}"),
             }
             let _ = self.ep.cq().read(&mut c);
             progress();

@@ -1096,3 +1096,53 @@ fn tcp_a_reducer_refuses_forged_joins_and_carries_on() {
         println!("{}", l.text);
     }
 }
+
+/// Every CollNet buffer is checked against its handle's registered range
+/// before anything is allocated: a count one element past a 1 MiB
+/// registration, 2^28 elements and 2^40 elements (a 4 TiB scratch, had it
+/// been allocated) are refused with an error naming the buffer; so are an
+/// all-gather part and a reduce-scatter window past theirs. Then the group
+/// still reduces.
+#[test]
+fn shm_buffers_outside_their_registration_are_refused() {
+    weft_tests::isolated!();
+    let results = group("shm", 2, |_, g| {
+        const LEN: usize = 1 << 20;
+        let mut a = vec![0u8; LEN];
+        let mut b = vec![0u8; LEN];
+        let (pa, pb): (*mut c_void, *mut c_void) = (a.as_mut_ptr().cast(), b.as_mut_ptr().cast());
+        let amh = collnet::reg_mr(g, pa, LEN, 1).unwrap();
+        let bmh = collnet::reg_mr(g, pb, LEN, 1).unwrap();
+        let mut errors = Vec::new();
+        for count in [LEN / 4 + 1, 1 << 28, 1 << 40] {
+            // SAFETY: the core must refuse these before touching either buffer.
+            let r = unsafe { collnet::iallreduce(g, pa, pb, count, 7, 0, amh, bmh) };
+            errors.push(r.expect_err("a count past the registration").msg);
+        }
+        // SAFETY: as above (the window is the whole 2 x 1 MiB buffer, which
+        // the 1 MiB receive buffer cannot hold).
+        let r = unsafe { collnet::iallgather(g, pa, pb, 2 * LEN, bmh, LEN, 0, 2 * LEN, amh) };
+        errors.push(r.expect_err("a gather window past its registration").msg);
+        // SAFETY: as above.
+        let r =
+            unsafe { collnet::ireducescatter(g, pa, 2 * LEN, amh, pb, LEN, 0, 2 * LEN, 2, 0, bmh) };
+        errors.push(r.expect_err("a scatter window past its registration").msg);
+        collnet::dereg_mr(amh).unwrap();
+        collnet::dereg_mr(bmh).unwrap();
+        let data = input(DataType::I32, 1000, 3);
+        (
+            errors,
+            allreduce(g, DataType::I32, RedOp::Sum, &data, false),
+        )
+    });
+    for (errors, sum) in results {
+        for e in &errors {
+            assert!(
+                e.contains("outside its memory handle's registered range"),
+                "{e}"
+            );
+        }
+        let data = input(DataType::I32, 1000, 3);
+        assert!(sum == reference(DataType::I32, RedOp::Sum, &data, &data));
+    }
+}

@@ -110,10 +110,14 @@ struct Scratch {
 const POOL: usize = 4;
 
 /// A CollNet memory handle: the core's registration, where the group has
-/// comms to register through (a group of one has none, and needs none).
+/// comms to register through (a group of one has none, and needs none),
+/// and the range NCCL registered, which every buffer passed with it must
+/// lie in.
 #[derive(Debug)]
 pub struct CollMr {
     core: Option<usize>,
+    addr: usize,
+    len: usize,
 }
 
 static LISTENS: LazyLock<Registry<CollListen>> = LazyLock::new(Registry::default);
@@ -601,7 +605,11 @@ pub fn reg_mr(
         Some(any) => Some(core::reg_mr(p(any), data, size, ptr_type)? as usize),
         None => None,
     };
-    Ok(MRS.insert(Arc::new(CollMr { core })))
+    Ok(MRS.insert(Arc::new(CollMr {
+        core,
+        addr: data as usize,
+        len: size,
+    })))
 }
 
 /// `deregMr(collComm, mhandle)`.
@@ -617,14 +625,23 @@ pub fn dereg_mr(mh: *mut c_void) -> Result<()> {
     }
 }
 
-fn core_mh(mh: *mut c_void, call: &str) -> Result<usize> {
-    MRS.get(mh)
-        .ok_or_else(|| {
-            Error::internal(format!(
-                "CollNet {call}: {mh:p} is not a live memory handle"
-            ))
-        })
-        .map(|m| m.core.unwrap_or(0))
+/// The core handle of CollNet handle `mh`, once `buf..buf+len` (the
+/// `what` buffer of `call`) is checked to lie inside the range NCCL
+/// registered with it: before anything is allocated or posted.
+fn core_mh(mh: *mut c_void, buf: usize, len: usize, what: &str, call: &str) -> Result<usize> {
+    let m = MRS.get(mh).ok_or_else(|| {
+        Error::internal(format!(
+            "CollNet {call}: {mh:p} is not a live memory handle"
+        ))
+    })?;
+    let inside = buf >= m.addr && buf.checked_add(len).is_some_and(|e| e <= m.addr + m.len);
+    if len > 0 && !inside {
+        return Err(Error::internal(format!(
+            "CollNet {call}: the {what} buffer {buf:#x} + {len} bytes lies outside its memory handle's registered range {:#x} + {} bytes",
+            m.addr, m.len
+        )));
+    }
+    Ok(m.core.unwrap_or(0))
 }
 
 /// One chunk of a transfer: where, how long, and its request while posted.
@@ -1241,7 +1258,10 @@ pub unsafe fn iallreduce(
     if bytes > 0 && (send.is_null() || recv.is_null()) {
         return Err(Error::internal("CollNet iallreduce: NULL buffer"));
     }
-    let (smh, rmh) = (core_mh(smh, "iallreduce")?, core_mh(rmh, "iallreduce")?);
+    let (smh, rmh) = (
+        core_mh(smh, send as usize, bytes, "send", "iallreduce")?,
+        core_mh(rmh, recv as usize, bytes, "receive", "iallreduce")?,
+    );
     // Shards are the ranks' or, through reducers, the reducers'.
     let served = !g.reducers.is_empty();
     let owners = if served { g.reducers.len() } else { g.nranks };
@@ -1297,9 +1317,16 @@ pub unsafe fn iallgather(
         window_bytes,
         recv_size,
     )?;
+    let mine = shards[g.rank].1 - shards[g.rank].0;
     let (smh, rmh) = (
-        core_mh(send_mh, "iallgather")?,
-        core_mh(recv_mh, "iallgather")?,
+        core_mh(send_mh, send as usize, mine, "send", "iallgather")?,
+        core_mh(
+            recv_mh,
+            recv as usize,
+            window_bytes,
+            "receive",
+            "iallgather",
+        )?,
     );
     let (send, recv) = (send as usize, recv as usize);
     let spec = Spec {
@@ -1360,9 +1387,16 @@ pub unsafe fn ireducescatter(
             dt.size()
         )));
     }
+    let mine = shards[g.rank].1 - shards[g.rank].0;
     let (smh, rmh) = (
-        core_mh(send_mh, "ireducescatter")?,
-        core_mh(recv_mh, "ireducescatter")?,
+        core_mh(
+            send_mh,
+            send as usize,
+            window_bytes,
+            "send",
+            "ireducescatter",
+        )?,
+        core_mh(recv_mh, recv as usize, mine, "receive", "ireducescatter")?,
     );
     let (send, recv) = (send as usize, recv as usize);
     let spec = Spec {

@@ -100,17 +100,64 @@ pub enum Ev {
     Landed(u8, Option<u32>),
 }
 
-/// A comm's mailbox at the hub.
+/// Events an inbox holds unread before it takes no more control messages
+/// (its comm's peer, or a listener's callers, sent far more than the
+/// protocol has in flight: credits bound data and offers, one `Alive` waits
+/// at most). What is dropped beyond it is counted for the comm.
+pub const INBOX_MAX: usize = 4096;
+
+/// A comm's mailbox at the hub. Once the comm knows its peer's token
+/// ([`Inbox::expect`]), the hub queues only control messages that carry it,
+/// and at most one `Alive` at a time: what anyone else sends, or a peer's
+/// flood while the host is busy elsewhere, costs no memory.
 #[derive(Debug, Default)]
-pub struct Inbox(Mutex<Vec<Ev>>);
+pub struct Inbox {
+    events: Mutex<Vec<Ev>>,
+    /// The peer's token (0: any, while connecting or listening).
+    token: std::sync::atomic::AtomicU32,
+    /// An `Alive` is queued.
+    alive: std::sync::atomic::AtomicBool,
+    /// Control messages dropped: another token, or over [`INBOX_MAX`].
+    dropped: AtomicU64,
+    /// Control messages dropped over [`INBOX_MAX`] (a subset of `dropped`).
+    overflowed: AtomicU64,
+}
 
 impl Inbox {
     /// Everything delivered since the last call, in arrival order.
     pub fn take(&self) -> Vec<Ev> {
-        std::mem::take(&mut *lock(&self.0))
+        self.alive.store(false, Ordering::Relaxed);
+        std::mem::take(&mut *lock(&self.events))
+    }
+    /// From now on only control messages with `token` are queued.
+    pub fn expect(&self, token: u32) {
+        self.token.store(token, Ordering::Relaxed);
+    }
+    /// (dropped, of which over the limit) so far.
+    pub fn dropped(&self) -> (u64, u64) {
+        (
+            self.dropped.load(Ordering::Relaxed),
+            self.overflowed.load(Ordering::Relaxed),
+        )
     }
     fn push(&self, ev: Ev) {
-        lock(&self.0).push(ev);
+        if let Ev::Ctrl { token, bytes, .. } = &ev {
+            let want = self.token.load(Ordering::Relaxed);
+            let stranger = want != 0 && *token != want;
+            if stranger
+                || (super::wire::is_alive(bytes) && self.alive.swap(true, Ordering::Relaxed))
+            {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        }
+        let mut q = lock(&self.events);
+        if q.len() >= INBOX_MAX && matches!(ev, Ev::Ctrl { .. }) {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            self.overflowed.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        q.push(ev);
     }
 }
 

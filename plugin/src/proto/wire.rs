@@ -392,6 +392,17 @@ pub enum Ctrl {
         /// The bytes.
         data: Vec<u8>,
     },
+    /// RDMA sender -> receiver: the write into buffer `sub` of `slot`
+    /// failed in the provider (fi errno `err`; e.g. the buffer was
+    /// deregistered under it): that receive fails.
+    Failed {
+        /// The receive request's slot.
+        slot: u8,
+        /// The buffer within it.
+        sub: u8,
+        /// The write's fi errno.
+        err: u32,
+    },
     /// RDMA sender -> receiver: the message for buffer `sub` of `slot` was
     /// `size` bytes, more than the buffer holds; nothing was written.
     Trunc {
@@ -464,8 +475,15 @@ const KIND_WROTE: u8 = 6;
 const KIND_TRUNC: u8 = 7;
 const KIND_BYE: u8 = 8;
 const KIND_EAGER: u8 = 9;
+const KIND_FAILED: u8 = 10;
 /// Where the address of a Conn or Ack starts.
 const ADDR_AT: usize = 28;
+
+/// Whether `buf` (a received control message) is an [`Ctrl::Alive`]: read
+/// without decoding, by whoever queues messages.
+pub fn is_alive(buf: &[u8]) -> bool {
+    buf.len() >= 12 && buf[6] == KIND_ALIVE && buf[..4] == CTRL_MAGIC.to_le_bytes()
+}
 
 impl Ctrl {
     /// Encodes into `out`, returning the length used.
@@ -535,6 +553,15 @@ impl Ctrl {
                 out[10..16].fill(0);
                 out[16..24].copy_from_slice(&size.to_le_bytes());
                 24
+            }
+            Ctrl::Failed { slot, sub, err } => {
+                out[6] = KIND_FAILED;
+                out[7] = 0;
+                out[8] = *slot;
+                out[9] = *sub;
+                out[10..12].fill(0);
+                out[12..16].copy_from_slice(&err.to_le_bytes());
+                16
             }
             Ctrl::Credit { count } => {
                 out[6] = KIND_CREDIT;
@@ -650,6 +677,11 @@ impl Ctrl {
                     Ctrl::Trunc { slot, sub, size }
                 })
             }
+            KIND_FAILED if buf.len() >= 16 => Ok(Ctrl::Failed {
+                slot: buf[8],
+                sub: buf[9],
+                err: u32_at(12),
+            }),
             KIND_CREDIT => Ok(Ctrl::Credit {
                 count: u32::from_le_bytes(buf[8..12].try_into().expect("4 bytes")),
             }),
@@ -660,7 +692,7 @@ impl Ctrl {
                 data: buf[EAGER_HEAD..].to_vec(),
             }),
             KIND_BYE => Ok(Ctrl::Bye { sent: u32_at(8) }),
-            KIND_CONN | KIND_ACK | KIND_WROTE | KIND_TRUNC | KIND_EAGER => {
+            KIND_CONN | KIND_ACK | KIND_WROTE | KIND_TRUNC | KIND_EAGER | KIND_FAILED => {
                 Err(CtrlError::Truncated(buf.len()))
             }
             k => Err(CtrlError::Kind(k)),
@@ -872,6 +904,11 @@ mod tests {
             Ctrl::Credit { count: 64 },
             Ctrl::Alive,
             Ctrl::Bye { sent: 0x0102_0304 },
+            Ctrl::Failed {
+                slot: 9,
+                sub: 2,
+                err: 265,
+            },
             Ctrl::Rtr {
                 seq: 7,
                 slot: 31,

@@ -53,6 +53,16 @@ fn next_rtr(f: &Forger, mut progress: impl FnMut()) -> (u8, weft::proto::wire::R
     })
 }
 
+/// Posts with `post` until it gives a request (or fails), then tests that
+/// until it ends: what became of it.
+fn end_of(
+    what: &str,
+    mut post: impl FnMut() -> core::Result<Option<*mut c_void>>,
+) -> core::Result<core::Done> {
+    let q = poll_until(what, || post().transpose())?;
+    poll_until(what, || core::test(q).transpose())
+}
+
 /// A buffer of three pages, page aligned, filled with `fill`.
 fn pages(fill: u8) -> (Vec<u8>, usize) {
     let page = 4096;
@@ -273,23 +283,15 @@ fn no_write_after_close_recv(provider: &str) {
     core::close_recv(r).unwrap();
     let src = vec![0xA5u8; LEN];
     let smh = reg(s, &src);
-    let outcome = poll_until("the send after the peer closed", || {
-        match isend_raw(
+    let outcome = end_of("the send after the peer closed", || {
+        isend_raw(
             s,
             src.as_ptr() as *mut c_void,
             LEN,
             2,
             smh,
             std::ptr::null_mut(),
-        ) {
-            Ok(None) => None,
-            Ok(Some(q)) => Some(poll_until("its test", || match core::test(q) {
-                Ok(None) => None,
-                Ok(Some(_)) => Some(Ok(())),
-                Err(e) => Some(Err(e)),
-            })),
-            Err(e) => Some(Err(e)),
-        }
+        )
     });
     let changed = dst.iter().filter(|&&b| b != 0x5A).count();
     assert_eq!(
@@ -451,15 +453,8 @@ fn what_was_sent_before_bye_is_received(provider: &str) {
         mhandle: pmh,
         phandle: std::ptr::null_mut(),
     }];
-    let e = poll_until("the fifth receive to fail", || match irecv_raw(r, &args) {
-        Ok(None) => None,
-        Ok(Some(q)) => poll_until("its test", || match core::test(q) {
-            Ok(None) => None,
-            Ok(Some(_)) => panic!("{provider}: a fifth message out of nowhere"),
-            Err(e) => Some(Some(e)),
-        }),
-        Err(e) => Some(e),
-    });
+    let e = end_of("the fifth receive", || irecv_raw(r, &args))
+        .expect_err("a fifth message out of nowhere");
     assert!(e.msg.contains("closed"), "{provider}: {e}");
     core::dereg_mr(r, pmh).unwrap();
     core::close_recv(r).unwrap();
@@ -469,4 +464,89 @@ each!(what_was_sent_before_bye_is_received:
     shm_rdma_what_was_sent_before_bye_is_received = "shm", "rdma";
     tcp_sendrecv_what_was_sent_before_bye_is_received = "tcp", "sendrecv";
     shm_sendrecv_what_was_sent_before_bye_is_received = "shm", "sendrecv";
+);
+
+/// A connected peer floods its receive comm with 100 000 `Alive`s and
+/// 100 000 `Credit`s while the host drives another pair on the same device
+/// and never calls the flooded comm: the receiver's memory stays flat (the
+/// hub queues one `Alive` at a time and at most `INBOX_MAX` events), and
+/// the other pair moves verified data throughout.
+fn a_control_flood_costs_no_memory(provider: &str) {
+    let ctx = init(provider);
+    let (s, r) = pair(ctx);
+    let (f, linked, flooded) = forger_pair(ctx, provider);
+    f.as_itself(&linked);
+    send_verified(s, r, 1, 100);
+    let rss0 = weft_tests::status_kb("VmRSS");
+    let mut round = 0;
+    for i in 0..200_000u32 {
+        let msg = if i % 2 == 0 {
+            Ctrl::Alive
+        } else {
+            Ctrl::Credit { count: 1 }
+        };
+        f.send_while(linked.to, &msg, || {});
+        if i % 5000 == 0 {
+            round += 1;
+            send_verified(s, r, 2 + round % 8, 3000);
+        }
+    }
+    send_verified(s, r, 1, 100);
+    let rss1 = weft_tests::status_kb("VmRSS");
+    let grown = rss1.saturating_sub(rss0) / 1024;
+    println!("{provider}: 200 000 control messages to an idle comm: RSS +{grown} MB");
+    assert!(
+        grown < 32,
+        "{provider}: RSS grew by {grown} MB ({rss0} -> {rss1} kB)"
+    );
+    let _ = core::close_recv(flooded);
+    close_pair(s, r);
+}
+each!(a_control_flood_costs_no_memory:
+    tcp_rdma_a_control_flood_costs_no_memory = "tcp", "rdma";
+    shm_sendrecv_a_control_flood_costs_no_memory = "shm", "sendrecv";
+);
+
+/// A buffer deregistered while its receive is in flight (NCCL does not do
+/// this; a buggy host might): on shm the sender's write never completes,
+/// the sender finds it stuck after `WEFT_PEER_TIMEOUT` and tells the
+/// receiver, and both requests end with an error instead of waiting
+/// forever. (tcp;ofi_rxm 1.17 drops such a write without a word to either
+/// side and reports it complete at the sender: the receive still waits
+/// there; see the README.)
+fn dereg_under_a_receive_ends_it(provider: &str) {
+    std::env::set_var("WEFT_PEER_TIMEOUT", "3");
+    let ctx = init(provider);
+    let (s, r) = pair(ctx);
+    const LEN: usize = 256 << 10;
+    let mut dst = vec![0u8; LEN];
+    let rmh = reg(r, &dst);
+    let rq = irecv(r, &mut [&mut dst[..]], &[1], &[rmh]);
+    for _ in 0..100 {
+        assert!(core::test(rq).unwrap().is_none());
+    }
+    core::dereg_mr(r, rmh).unwrap();
+    let src = pattern(0, 1, LEN);
+    let smh = reg(s, &src);
+    let sq = isend(s, &src, 1, smh);
+    let (mut sent, mut got) = (None, None);
+    poll_until("both requests to end", || {
+        if sent.is_none() {
+            sent = core::test(sq).transpose();
+        }
+        if got.is_none() {
+            got = core::test(rq).transpose();
+        }
+        (sent.is_some() && got.is_some()).then_some(())
+    });
+    let e = got
+        .unwrap()
+        .expect_err("a receive whose buffer was deregistered cannot succeed");
+    println!("{provider}: receive: {e}; send: {:?}", sent.unwrap().err());
+    let _ = core::dereg_mr(s, smh);
+    let _ = core::close_send(s);
+    let _ = core::close_recv(r);
+}
+each!(dereg_under_a_receive_ends_it:
+    shm_dereg_under_a_receive_ends_it = "shm", "rdma";
 );

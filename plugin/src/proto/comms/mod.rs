@@ -57,9 +57,26 @@
 //! period (`WEFT_PEER_TIMEOUT` / 8), from the plugin's keeper thread, so a
 //! peer that is alive but busy elsewhere still answers; anything received
 //! from the peer counts as a sign of life. A peer silent for
-//! `WEFT_PEER_TIMEOUT` minus one period is dead, and so is one whose comm
-//! said `Bye` (closed): every request in flight fails, new ones are refused.
-//! Request age plays no part: a receive may wait for hours on a live peer.
+//! `WEFT_PEER_TIMEOUT` minus one period is dead: every request in flight
+//! fails, new ones are refused. Request age plays no part: a receive may
+//! wait for hours on a live peer.
+//!
+//! **Bye** means "I send you nothing more", and everything its sender sent
+//! arrives before it. A sender's `Bye` fails only what can never come (rdma:
+//! receives its eager messages cannot fill; tagged: receives left once every
+//! message it counted in its `Bye` was matched). A receiver's `Bye` stops new
+//! sends; sends with the provider end with their own completion, and once
+//! none is in flight the sender answers with its own `Bye`. A closing rdma
+//! receive comm with buffers offered waits for that answer (or the peer's
+//! death, or `WEFT_PEER_TIMEOUT`), so nothing lands in a buffer NCCL frees
+//! after the close. After a `Bye` the peer's silence counts only while
+//! requests are in flight.
+//!
+//! **Who is the peer.** Every control message carries the sending comm's
+//! token after the destination id ([`super::ctrl`]); a comm takes one only
+//! with its peer's token, from its peer's address where the provider reports
+//! sources. A write's immediate is checked against its offer's ticket
+//! ([`super::hub::immediate`]).
 //!
 //! A failed request leaves nothing of NCCL's with the provider that it could
 //! write: receive buffers on the RDMA path are offered to the peer, never
@@ -233,6 +250,8 @@ struct PeerLink {
     bye_heard: bool,
     /// This comm said `Bye`.
     bye_said: bool,
+    /// When in-flight requests were last aged ([`Side::stalled`]).
+    aged: Option<Instant>,
 }
 
 impl PeerLink {
@@ -244,6 +263,7 @@ impl PeerLink {
             owed: VecDeque::new(),
             bye_heard: false,
             bye_said: false,
+            aged: None,
         }
     }
 
@@ -299,6 +319,12 @@ trait Side {
     fn fail_all(&mut self) -> usize;
     /// Whether a request is in flight (not yet finished).
     fn busy(&self) -> bool;
+    /// One heartbeat tick of the data path's own liveness: ages what must
+    /// complete in network time, and says why the link is wedged once
+    /// something has been in flight for `ticks` heartbeat periods.
+    fn stalled(&mut self, _seat: &Seat, _ticks: u32) -> Option<String> {
+        None
+    }
     /// Progresses and applies what arrived.
     fn progress(&mut self, seat: &Seat) -> Result<()>;
 }
@@ -340,6 +366,28 @@ fn keepalive<S: Side>(st: &mut S, seat: &Seat, timeout: std::time::Duration, now
     }
     if let Err(e) = st.progress(seat) {
         return die(st, format!("progress failed: {e}"));
+    }
+    // The data path's own liveness ages once per period, however often
+    // the keeper runs (it is hurried at times).
+    let p = st.peer();
+    if p.aged
+        .is_none_or(|t| now.saturating_duration_since(t) >= period)
+    {
+        p.aged = Some(now);
+        let ticks = (timeout.as_secs_f64() / period.as_secs_f64()).ceil() as u32;
+        if let Some(why) = st.stalled(seat, ticks) {
+            return die(st, why);
+        }
+    }
+    let (_, flooded) = seat.inbox.dropped();
+    if flooded > 0 {
+        return die(
+            st,
+            format!(
+                "it sent more control messages than the protocol has in flight ({flooded} beyond {} unread were dropped): a peer that breaks the protocol",
+                super::hub::INBOX_MAX
+            ),
+        );
     }
     let silent = st.peer().link.silence(now);
     // After its Bye the peer is silent by design: only requests still in

@@ -144,6 +144,7 @@ impl RecvComm {
         st.peer.link.connect(self.seat.ep(), addr)?;
         st.peer.id = id;
         st.peer.link.token = token;
+        self.seat.inbox.expect(token);
         Ok(self.seat.id)
     }
 
@@ -253,7 +254,7 @@ impl Comm for RecvComm {
         }
         if let Some((sub, e)) = r.failed {
             let msg = format!(
-                "receive into buffer {sub} from peer {} failed: {} (fi errno {e})",
+                "receive into buffer {sub} from peer {} failed: {} (fi errno {e}); if NCCL deregistered the buffer while the receive was in flight, that is the cause",
                 st.peer.link.name,
                 crate::fabric::strerror(e)
             );
@@ -312,36 +313,47 @@ impl Drop for RecvComm {
         st.peer.say_bye(self.seat.ep(), 0);
         let deadline = Instant::now() + self.dev.peer_timeout;
         if st.path == Path::Rdma && st.busy() && st.peer.bye_said {
-            while !st.peer.bye_heard && st.peer.link.dead.is_none() {
-                // The sender answers when it is next progressed: by NCCL,
-                // or by its keeper (hurried here for a sender in this
-                // process; another process's ticks once a heartbeat period).
-                crate::core::keeper::hurry();
-                if let Err(e) = st.progress(&self.seat) {
-                    tracing::warn!("closing a receive comm: {e}");
-                    break;
-                }
-                if Instant::now() > deadline {
-                    tracing::warn!(
-                        "closing the receive comm from {} with buffers offered: the sender did not answer its Bye within {:.1} s (WEFT_PEER_TIMEOUT); it may still write into them",
-                        st.peer.link.name,
-                        self.dev.peer_timeout.as_secs_f64()
-                    );
-                    break;
-                }
-                std::thread::yield_now();
-            }
+            // The sender answers when it is next progressed: by NCCL, or by
+            // its keeper (hurried here for a sender in this process; another
+            // process's ticks once a heartbeat period).
+            self.close_wait(
+                st,
+                deadline,
+                |st| !st.peer.bye_heard && st.peer.link.dead.is_none(),
+                "with buffers offered: the sender did not answer its Bye",
+            );
         }
         if st.peer.link.dead.is_none() {
             st.peer.link.dead = Some("the comm was closed".to_owned());
         }
-        while st.holds_posted() {
+        self.close_wait(
+            st,
+            deadline,
+            RecvState::holds_posted,
+            "the provider did not return posted receives",
+        );
+    }
+}
+
+impl RecvComm {
+    /// Progresses (hurrying the keeper) while `waiting` holds, until
+    /// `deadline`; then WARNs that the provider may still write into NCCL's
+    /// buffers, `why`.
+    fn close_wait(
+        &self,
+        st: &mut RecvState,
+        deadline: Instant,
+        waiting: impl Fn(&RecvState) -> bool,
+        why: &str,
+    ) {
+        while waiting(st) {
+            crate::core::keeper::hurry();
             if let Err(e) = st.progress(&self.seat) {
                 tracing::warn!("closing a receive comm: {e}");
             }
             if Instant::now() > deadline {
                 tracing::warn!(
-                    "closing the receive comm from {}: the provider did not return posted receives within {:.1} s (WEFT_PEER_TIMEOUT); it may still write into them",
+                    "closing the receive comm from {}: {why} within {:.1} s (WEFT_PEER_TIMEOUT); it may still write into them",
                     st.peer.link.name,
                     self.dev.peer_timeout.as_secs_f64()
                 );
@@ -738,6 +750,13 @@ impl RecvState {
                 }
             }
             Ok(Ctrl::Eager { tag, idx, data }) => self.on_eager(tag, idx, data),
+            Ok(Ctrl::Failed { slot, sub, err }) => {
+                if let Some(r) = self.buffer(slot, sub, "a failed write") {
+                    r.failed.get_or_insert((sub, err));
+                    r.landed |= 1 << sub;
+                    r.sized |= 1 << sub;
+                }
+            }
             Ok(Ctrl::Trunc { slot, sub, size }) => {
                 if let Some(r) = self.buffer(slot, sub, "a truncation") {
                     r.trunc.get_or_insert((sub, Some(size), false));

@@ -42,6 +42,10 @@ struct SReq {
     done: bool,
     /// The write failed (fi errno), or the peer died (0).
     err: Option<u32>,
+    /// rdma: the offered buffer (slot, buffer) it writes, told of a failure.
+    dst: Option<(u8, u8)>,
+    /// Heartbeat ticks it has been in flight (rdma writes).
+    ticks: u32,
 }
 
 struct SendState {
@@ -226,6 +230,8 @@ impl SendComm {
             size,
             done: inject,
             err: None,
+            dst: None,
+            ticks: 0,
         }) else {
             st.progress(&self.seat)?;
             return Ok(None);
@@ -355,6 +361,8 @@ impl SendComm {
                     size,
                     done: true,
                     err: None,
+                    dst: None,
+                    ticks: 0,
                 })
                 .expect("room checked above");
             return Ok(Self::req_id(st, idx));
@@ -367,6 +375,8 @@ impl SendComm {
             size,
             done: size == 0,
             err: None,
+            dst: Some((o.slot, o.sub)),
+            ticks: 0,
         }) else {
             st.progress(&self.seat)?;
             return Ok(None);
@@ -520,6 +530,40 @@ impl Side for SendState {
             .live()
             .any(|i| self.reqs.get(i).is_some_and(|r| !r.done))
     }
+    /// A write goes into a buffer the receiver offered, so it completes in
+    /// network time; one in flight for `ticks` heartbeat periods while the
+    /// peer still says Alive means the provider's connection is wedged (a
+    /// refused write can leave tcp;ofi_rxm so). Its receiver is told, so its
+    /// receive fails now rather than after its own timeout.
+    fn stalled(&mut self, seat: &Seat, ticks: u32) -> Option<String> {
+        let mut stuck = Vec::new();
+        let live: Vec<u32> = self.reqs.live().collect();
+        for i in live {
+            if let Some(r) = self.reqs.get_mut(i).filter(|r| !r.done && r.dst.is_some()) {
+                r.ticks += 1;
+                if r.ticks >= ticks {
+                    stuck.extend(r.dst);
+                }
+            }
+        }
+        if stuck.is_empty() {
+            return None;
+        }
+        for (slot, sub) in stuck.iter().copied() {
+            let _ = self.peer.send(
+                seat.ep(),
+                Ctrl::Failed {
+                    slot,
+                    sub,
+                    err: fi::FI_ETIMEDOUT,
+                },
+            );
+        }
+        Some(format!(
+            "{} write(s) in flight for over WEFT_PEER_TIMEOUT although the peer answers: the provider's connection to it is wedged",
+            stuck.len()
+        ))
+    }
     fn progress(&mut self, seat: &Seat) -> Result<()> {
         self.peer.flush(seat.ep())?;
         for ev in seat.poll()? {
@@ -544,9 +588,20 @@ impl Side for SendState {
                 }
                 Ev::Failed(local, e) => {
                     tracing::warn!("send comm to {}: a send failed: {e}", self.peer.link.name);
+                    let mut tell = None;
                     if let Some(r) = self.reqs.get_mut(local).filter(|r| !r.done) {
                         r.done = true;
                         r.err = Some(e.err.max(1));
+                        tell = r.dst;
+                    }
+                    // The receive it wrote for would wait forever: it fails too.
+                    if let Some((slot, sub)) = tell {
+                        let msg = Ctrl::Failed {
+                            slot,
+                            sub,
+                            err: e.err.max(1),
+                        };
+                        self.peer.send(seat.ep(), msg)?;
                     }
                 }
                 Ev::Landed(..) => {
@@ -649,6 +704,7 @@ impl SendState {
                 }
                 self.peer.id = id;
                 self.peer.link.token = token;
+                seat.inbox.expect(token);
                 self.peer.link.heard = true;
                 self.max_credits = credits.clamp(1, self.path.credits().0);
                 self.credits = self.max_credits;
