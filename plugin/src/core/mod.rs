@@ -1203,6 +1203,22 @@ pub fn with_properties<T>(dev: i32, f: impl FnOnce(&Properties) -> Result<T>) ->
     }
 }
 
+/// Evaluates `$call` with `$c` bound to send or receive comm `$comm`,
+/// whichever it is (the test hooks ask both kinds the same thing).
+macro_rules! on_comm {
+    ($comm:expr, |$c:ident| $call:expr) => {
+        if let Some(s) = REG.send.get($comm) {
+            let $c = &s.comm;
+            Ok($call)
+        } else if let Some(r) = REG.recv.get($comm) {
+            let $c = &r.comm;
+            Ok($call)
+        } else {
+            Err(Error::internal(format!("{:p} is not a live comm", $comm)))
+        }
+    };
+}
+
 /// Test hook: holds the state lock of send or receive comm `comm`, as a
 /// keeper stuck inside the provider would, until `release` fires; `held` is
 /// signalled once it is held. NCCL's calls on that comm must not wait.
@@ -1212,40 +1228,21 @@ pub fn hold_comm_for_test(
     held: &std::sync::mpsc::Sender<()>,
     release: &std::sync::mpsc::Receiver<()>,
 ) -> Result<()> {
-    if let Some(s) = REG.send.get(comm) {
-        s.comm.hold(held, release);
-    } else if let Some(r) = REG.recv.get(comm) {
-        r.comm.hold(held, release);
-    } else {
-        return Err(Error::internal(format!("{comm:p} is not a live comm")));
-    }
-    Ok(())
+    on_comm!(comm, |c| c.hold(held, release))
 }
 
 /// Test hook: whether send or receive comm `comm`'s endpoint is still open,
 /// i.e. whether the provider may still own buffers posted on it.
 #[doc(hidden)]
 pub fn endpoint_open_for_test(comm: *mut c_void) -> Result<bool> {
-    if let Some(s) = REG.send.get(comm) {
-        Ok(s.comm.endpoint_open())
-    } else if let Some(r) = REG.recv.get(comm) {
-        Ok(r.comm.endpoint_open())
-    } else {
-        Err(Error::internal(format!("{comm:p} is not a live comm")))
-    }
+    on_comm!(comm, |c| c.endpoint_open())
 }
 
 /// Test hook: send or receive comm `comm`'s id and token on its device's
 /// shared endpoint (what a third party would have to learn to speak for it).
 #[doc(hidden)]
 pub fn wire_id_for_test(comm: *mut c_void) -> Result<Option<(u32, u32)>> {
-    if let Some(s) = REG.send.get(comm) {
-        Ok(s.comm.wire_id())
-    } else if let Some(r) = REG.recv.get(comm) {
-        Ok(r.comm.wire_id())
-    } else {
-        Err(Error::internal(format!("{comm:p} is not a live comm")))
-    }
+    on_comm!(comm, |c| c.wire_id())
 }
 
 /// Checks that `ctx` is a live context.
