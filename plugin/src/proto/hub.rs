@@ -48,6 +48,7 @@ use libfabric_sys as fi;
 
 use super::cq::{drain, Event};
 use super::ctrl::{unframe, CtrlBufs, CTRL_HEAD};
+use super::grave::{is_grave, Graves};
 use super::wire::{CTRL_MAX, EAGER_HEAD};
 use super::DeviceState;
 use crate::error::{Error, Result};
@@ -216,6 +217,11 @@ const STALE_NS: u64 = 20_000;
 pub struct Hub {
     opened: Instant,
     ports: [PortState; 2],
+    /// Tagged data on its way to closed receive comms ([`super::grave`]);
+    /// after `ports`, so that the endpoints close before its buffers go.
+    graves: Mutex<Graves>,
+    /// `WEFT_PEER_TIMEOUT`: a grave that took nothing for this long goes.
+    peer_timeout: std::time::Duration,
     /// Writes carry 8 bytes of immediate, so sizes ride in them.
     wide: bool,
     /// The largest eager message (data bytes) this hub's buffers take.
@@ -265,6 +271,8 @@ impl Hub {
         Ok(Self {
             opened: Instant::now(),
             ports: [port(true)?, port(false)?],
+            graves: Mutex::new(Graves::default()),
+            peer_timeout: dev.peer_timeout,
             boxes: RwLock::new(HashMap::new()),
             ids: Mutex::new((std::hash::RandomState::new(), 0)),
             wide: dev.dev.rma.cq_data_size >= 8 && !narrow_for_test(),
@@ -301,6 +309,39 @@ impl Hub {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&id);
+    }
+
+    /// Leaves a grave for closed tagged receive comm `id` (see
+    /// [`super::grave`]): its peer at `src` with `token` may still send.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dig(
+        &self,
+        id: u32,
+        src: FiAddr,
+        token: u32,
+        taken: u32,
+        sent: Option<u32>,
+        cap: usize,
+        tags: &[i32],
+    ) {
+        let ep = self.ep(Port::Passive);
+        let registrar = crate::fabric::DomainRegistrar(Arc::clone(ep.domain()));
+        lock(&self.graves).dig(ep, registrar, id, src, token, taken, sent, cap, tags);
+    }
+
+    /// Graves open now; dug and messages drained so far.
+    pub fn graves(&self) -> (usize, u64, u64) {
+        lock(&self.graves).counts()
+    }
+
+    /// The keeper's visit: reads both CQs (the provider moves transfers of
+    /// comms already closed only when they are read, and a peer may be
+    /// waiting on one) and retires idle graves.
+    pub fn tend(&self) -> Result<()> {
+        self.progress(Port::Passive)?;
+        self.progress(Port::Active)?;
+        lock(&self.graves).sweep(self.ep(Port::Passive), self.peer_timeout);
+        Ok(())
     }
 
     /// Whether sizes ride in immediates (8 bytes of remote CQ data).
@@ -366,9 +407,28 @@ impl Hub {
         let mut ctrl = lock(&p.ctrl);
         ctrl.repost_waiting(&p.ep)?;
         let boxes = self.boxes.read().unwrap_or_else(|e| e.into_inner());
-        let deliver = |id: u32, ev: Ev| match boxes.get(&id) {
-            Some(b) => b.push(ev),
-            None => tracing::trace!("hub: dropped {ev:?} for comm {id}, which is closed"),
+        let graves = port == Port::Passive;
+        let deliver = |id: u32, ev: Ev| {
+            match &ev {
+                Ev::Done(local, _) | Ev::Failed(local, _) if graves && is_grave(*local) => {
+                    let cancelled =
+                        matches!(&ev, Ev::Failed(_, e) if super::grave::cancelled(e.err));
+                    lock(&self.graves).on_return(&p.ep, id, *local, cancelled);
+                    return;
+                }
+                _ => {}
+            }
+            match boxes.get(&id) {
+                Some(b) => b.push(ev),
+                None => {
+                    if let Ev::Ctrl { token, bytes, .. } = &ev {
+                        if graves && lock(&self.graves).on_ctrl(&p.ep, id, *token, bytes) {
+                            return;
+                        }
+                    }
+                    tracing::trace!("hub: dropped {ev:?} for comm {id}, which is closed");
+                }
+            }
         };
         let wide = self.wide;
         drain(&**p.ep.cq(), |ev| {
@@ -445,4 +505,27 @@ fn on_done(
 /// bytes of immediate (EFA, verbs), so every size travels in a `Wrote`.
 fn narrow_for_test() -> bool {
     std::env::var("WEFT_TEST_NARROW_IMM").is_ok_and(|v| v == "1")
+}
+
+/// Every hub open in the process, for the keeper ([`tend_all`]).
+static HUBS: Mutex<Vec<std::sync::Weak<Hub>>> = Mutex::new(Vec::new());
+
+/// Records a newly opened hub.
+pub(crate) fn opened(hub: &Arc<Hub>) {
+    let mut hubs = lock(&HUBS);
+    hubs.retain(|h| h.strong_count() > 0);
+    hubs.push(Arc::downgrade(hub));
+}
+
+/// The keeper's tick over every open hub ([`Hub::tend`]).
+pub fn tend_all() {
+    let hubs: Vec<Arc<Hub>> = lock(&HUBS)
+        .iter()
+        .filter_map(std::sync::Weak::upgrade)
+        .collect();
+    for h in hubs {
+        if let Err(e) = h.tend() {
+            tracing::debug!("hub: keeper's visit: {e}");
+        }
+    }
 }

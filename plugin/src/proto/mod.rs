@@ -24,6 +24,7 @@ use crate::mr::MrCache;
 pub mod comms;
 pub(crate) mod cq;
 pub mod ctrl;
+pub mod grave;
 pub(crate) mod handshake;
 pub mod hub;
 pub mod pool;
@@ -73,6 +74,7 @@ impl DeviceState {
         }
         let new = Arc::new(hub::Hub::open(self)?);
         *h = Some(Arc::clone(&new));
+        hub::opened(&new);
         Ok(new)
     }
 

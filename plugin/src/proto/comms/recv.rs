@@ -11,6 +11,7 @@ use libfabric_sys as fi;
 
 use crate::fabric::CompletionError;
 
+use super::super::grave::GRAVE_TAGS;
 use super::super::hub::{context, data_tag};
 use super::super::pool::Pool;
 use super::super::wire::RtrBuf;
@@ -103,6 +104,10 @@ struct RecvState {
     /// sender sent in all, from its `Bye`.
     matched: u32,
     peer_sent: Option<u32>,
+    /// Tagged: the largest receive posted and the first tags posted (a
+    /// grave drains with both: [`super::super::grave`]).
+    max_cap: usize,
+    tags: Vec<i32>,
 }
 
 impl std::fmt::Debug for RecvComm {
@@ -133,6 +138,8 @@ impl RecvComm {
                 to_post: VecDeque::new(),
                 matched: 0,
                 peer_sent: None,
+                max_cap: 0,
+                tags: Vec::new(),
             }),
         })
     }
@@ -310,6 +317,12 @@ impl Drop for RecvComm {
     /// to `WEFT_PEER_TIMEOUT`.
     fn drop(&mut self) {
         let st = &mut *lock(&self.inner);
+        // The peer may still send: it is linked, alive, and did not say it
+        // sent nothing more that was not matched.
+        let may_send = st.path == Path::Tagged
+            && st.peer.id != 0
+            && st.peer.link.dead.is_none()
+            && st.peer_sent.is_none_or(|s| s != st.matched);
         st.peer.say_bye(self.seat.ep(), 0);
         let deadline = Instant::now() + self.dev.peer_timeout;
         if st.path == Path::Rdma && st.busy() && st.peer.bye_said {
@@ -332,6 +345,18 @@ impl Drop for RecvComm {
             RecvState::holds_posted,
             "the provider did not return posted receives",
         );
+        if may_send {
+            // What it still sends is drained into the hub's own memory.
+            self.seat.hub.dig(
+                self.seat.id,
+                st.peer.link.peer.addr,
+                st.peer.link.token,
+                st.matched,
+                st.peer_sent,
+                st.max_cap,
+                &st.tags,
+            );
+        }
     }
 }
 
@@ -586,6 +611,11 @@ impl RecvState {
             }
             if let Some(r) = self.reqs.get_mut(slot) {
                 r.posted |= 1 << sub;
+                self.max_cap = self.max_cap.max(r.caps[s] as usize);
+                let tag = r.tags[s];
+                if self.tags.len() < GRAVE_TAGS && !self.tags.contains(&tag) {
+                    self.tags.push(tag);
+                }
             }
             self.to_post.pop_front();
         }
