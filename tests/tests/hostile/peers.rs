@@ -625,3 +625,66 @@ each!(closes_with_transfers_in_flight:
     tcp_sendrecv_closes_with_transfers_in_flight = "tcp", "sendrecv";
     shm_sendrecv_closes_with_transfers_in_flight = "shm", "sendrecv";
 );
+
+/// The receiver gets and checks 32 × 1 MiB and closes before the sender
+/// tested any of its sends: every send still ends done, none failed (a
+/// `Bye` stops new requests only; what was with the provider ends with its
+/// own completion), and a new `isend` then fails saying the peer closed.
+fn sends_the_receiver_took_succeed_after_its_bye(provider: &str) {
+    const MIB: usize = 1 << 20;
+    let ctx = init(provider);
+    let (s, r) = pair(ctx);
+    let srcs: Vec<Vec<u8>> = (0..32).map(|i| pattern(i, 2, MIB)).collect();
+    let mut dst = vec![0u8; 32 * MIB];
+    let rmh = reg(r, &dst);
+    let smhs: Vec<_> = srcs.iter().map(|b| reg(s, b)).collect();
+    let rqs: Vec<_> = dst
+        .chunks_mut(MIB)
+        .map(|c| irecv(r, &mut [c], &[2], &[rmh]))
+        .collect();
+    let sqs: Vec<_> = srcs
+        .iter()
+        .zip(&smhs)
+        .map(|(b, &mh)| isend(s, b, 2, mh))
+        .collect();
+    for (i, &q) in rqs.iter().enumerate() {
+        let d = wait(q);
+        assert_eq!(d.sizes[0], MIB, "{provider}: receive {i}");
+    }
+    for (i, (got, want)) in dst.chunks(MIB).zip(&srcs).enumerate() {
+        assert!(got == &want[..], "{provider}: message {i} differs");
+    }
+    core::dereg_mr(r, rmh).unwrap();
+    core::close_recv(r).unwrap();
+    for (i, &q) in sqs.iter().enumerate() {
+        let d = poll_until("a send the receiver took", || {
+            core::test(q).unwrap_or_else(|e| {
+                panic!("{provider}: send {i} failed after the receiver took it: {e}")
+            })
+        });
+        assert_eq!(d.sizes[0], MIB, "{provider}: send {i}");
+    }
+    let e = end_of("a send after the receiver closed", || {
+        isend_raw(
+            s,
+            srcs[0].as_ptr() as *mut c_void,
+            8,
+            2,
+            smhs[0],
+            std::ptr::null_mut(),
+        )
+    })
+    .expect_err("a send to a closed receiver");
+    assert!(e.msg.contains("closed"), "{provider}: {e}");
+    for mh in smhs {
+        core::dereg_mr(s, mh).unwrap();
+    }
+    core::close_send(s).unwrap();
+    core::finalize(ctx).unwrap();
+}
+each!(sends_the_receiver_took_succeed_after_its_bye:
+    tcp_rdma_sends_the_receiver_took_succeed_after_its_bye = "tcp", "rdma";
+    shm_rdma_sends_the_receiver_took_succeed_after_its_bye = "shm", "rdma";
+    tcp_sendrecv_sends_the_receiver_took_succeed_after_its_bye = "tcp", "sendrecv";
+    shm_sendrecv_sends_the_receiver_took_succeed_after_its_bye = "shm", "sendrecv";
+);
