@@ -12,17 +12,24 @@ use weft_tests::forge::{Forger, Linked};
 use weft_tests::host::*;
 use weft_tests::poll_until;
 
-/// Runs `f(provider)` with `WEFT_PROTOCOL=protocol`, in a process of its own.
+/// Runs `f(provider)` with `WEFT_PROTOCOL=protocol`, in a process of its
+/// own, for each `provider_protocol` listed: `each!(f: tcp_rdma, shm_sendrecv)`
+/// makes the tests `f::tcp_rdma` and `f::shm_sendrecv`.
 macro_rules! each {
-    ($f:ident: $($name:ident = $provider:literal, $protocol:literal;)+) => {
-        $(
-            #[test]
-            fn $name() {
-                weft_tests::isolated!();
-                std::env::set_var("WEFT_PROTOCOL", $protocol);
-                $f($provider);
-            }
-        )+
+    ($f:ident: $($variant:ident),+ $(,)?) => {
+        mod $f {
+            $(
+                #[test]
+                fn $variant() {
+                    weft_tests::isolated!();
+                    let (provider, protocol) = stringify!($variant)
+                        .split_once('_')
+                        .expect("a variant is provider_protocol");
+                    std::env::set_var("WEFT_PROTOCOL", protocol);
+                    super::$f(provider);
+                }
+            )+
+        }
     };
 }
 
@@ -148,10 +155,7 @@ fn a_key_opens_only_the_registered_bytes(provider: &str) {
     mem.clear();
     let _ = core::close_recv(r);
 }
-each!(a_key_opens_only_the_registered_bytes:
-    tcp_a_key_opens_only_the_registered_bytes = "tcp", "rdma";
-    shm_a_key_opens_only_the_registered_bytes = "shm", "rdma";
-);
+each!(a_key_opens_only_the_registered_bytes: tcp_rdma, shm_rdma);
 
 /// A third party that learned a victim receive comm's id (and even its
 /// peer's token) and has a comm of its own to the same device speaks for
@@ -259,12 +263,7 @@ fn a_third_party_cannot_speak_for_a_comm(provider: &str) {
     close_pair(s, r);
     core::close_recv(r2).unwrap();
 }
-each!(a_third_party_cannot_speak_for_a_comm:
-    tcp_rdma_a_third_party_cannot_speak_for_a_comm = "tcp", "rdma";
-    shm_rdma_a_third_party_cannot_speak_for_a_comm = "shm", "rdma";
-    tcp_sendrecv_a_third_party_cannot_speak_for_a_comm = "tcp", "sendrecv";
-    shm_sendrecv_a_third_party_cannot_speak_for_a_comm = "shm", "sendrecv";
-);
+each!(a_third_party_cannot_speak_for_a_comm: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
 
 /// `irecv(1 MiB)`, `closeRecv`, then `isend` of 1 MiB at the other end:
 /// the closed comm's buffer (which NCCL frees after the close) never
@@ -305,10 +304,7 @@ fn no_write_after_close_recv(provider: &str) {
     core::dereg_mr(s, smh).unwrap();
     core::close_send(s).unwrap();
 }
-each!(no_write_after_close_recv:
-    tcp_no_write_after_close_recv = "tcp", "rdma";
-    shm_no_write_after_close_recv = "shm", "rdma";
-);
+each!(no_write_after_close_recv: tcp_rdma, shm_rdma);
 
 /// 600 untagged messages with remote CQ data (which Weft never sends) from
 /// a host that never shook hands land in the listener's control buffers:
@@ -336,11 +332,7 @@ fn messages_with_cq_data_never_eat_control_buffers(provider: &str) {
     core::close_listen(l).unwrap();
     close_pair(s, r);
 }
-each!(messages_with_cq_data_never_eat_control_buffers:
-    tcp_rdma_messages_with_cq_data_never_eat_control_buffers = "tcp", "rdma";
-    shm_rdma_messages_with_cq_data_never_eat_control_buffers = "shm", "rdma";
-    tcp_sendrecv_messages_with_cq_data_never_eat_control_buffers = "tcp", "sendrecv";
-);
+each!(messages_with_cq_data_never_eat_control_buffers: tcp_rdma, shm_rdma, tcp_sendrecv);
 
 /// 64 connects at once to one listener (a restart storm, or a host
 /// misusing one listener): every one is accepted, and every comm moves a
@@ -415,11 +407,7 @@ fn many_connects_to_one_listener(provider: &str) {
         core::close_recv(*r).unwrap();
     }
 }
-each!(many_connects_to_one_listener:
-    tcp_rdma_many_connects_to_one_listener = "tcp", "rdma";
-    shm_rdma_many_connects_to_one_listener = "shm", "rdma";
-    tcp_sendrecv_many_connects_to_one_listener = "tcp", "sendrecv";
-);
+each!(many_connects_to_one_listener: tcp_rdma, shm_rdma, tcp_sendrecv);
 
 /// A sender that finished 4 small sends and closed: the receiver's later
 /// receives still get all 4 (rdma: from the stash; sendrecv: from the
@@ -459,12 +447,7 @@ fn what_was_sent_before_bye_is_received(provider: &str) {
     core::dereg_mr(r, pmh).unwrap();
     core::close_recv(r).unwrap();
 }
-each!(what_was_sent_before_bye_is_received:
-    tcp_rdma_what_was_sent_before_bye_is_received = "tcp", "rdma";
-    shm_rdma_what_was_sent_before_bye_is_received = "shm", "rdma";
-    tcp_sendrecv_what_was_sent_before_bye_is_received = "tcp", "sendrecv";
-    shm_sendrecv_what_was_sent_before_bye_is_received = "shm", "sendrecv";
-);
+each!(what_was_sent_before_bye_is_received: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
 
 /// A connected peer floods its receive comm with `Alive`s and `Credit`s
 /// (200 000 on tcp, 50 000 on shm) while the host drives another pair on the same device
@@ -511,10 +494,7 @@ fn a_control_flood_costs_no_memory(provider: &str) {
     let _ = core::close_recv(flooded);
     close_pair(s, r);
 }
-each!(a_control_flood_costs_no_memory:
-    tcp_rdma_a_control_flood_costs_no_memory = "tcp", "rdma";
-    shm_sendrecv_a_control_flood_costs_no_memory = "shm", "sendrecv";
-);
+each!(a_control_flood_costs_no_memory: tcp_rdma, shm_sendrecv);
 
 /// A buffer deregistered while its receive is in flight (NCCL does not do
 /// this; a buggy host might): on shm the sender's write never completes,
@@ -556,9 +536,7 @@ fn dereg_under_a_receive_ends_it(provider: &str) {
     let _ = core::close_send(s);
     let _ = core::close_recv(r);
 }
-each!(dereg_under_a_receive_ends_it:
-    shm_dereg_under_a_receive_ends_it = "shm", "rdma";
-);
+each!(dereg_under_a_receive_ends_it: shm_rdma);
 
 /// NCCL's abort, ten times over on one device: a pair with 8 receives of
 /// 1 MiB posted (4 with NCCL's tag, 4 with another) and 8 sends in flight
@@ -619,12 +597,7 @@ fn closes_with_transfers_in_flight(provider: &str) {
     }
     core::finalize(ctx).unwrap();
 }
-each!(closes_with_transfers_in_flight:
-    tcp_rdma_closes_with_transfers_in_flight = "tcp", "rdma";
-    shm_rdma_closes_with_transfers_in_flight = "shm", "rdma";
-    tcp_sendrecv_closes_with_transfers_in_flight = "tcp", "sendrecv";
-    shm_sendrecv_closes_with_transfers_in_flight = "shm", "sendrecv";
-);
+each!(closes_with_transfers_in_flight: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
 
 /// The receiver gets and checks 32 × 1 MiB and closes before the sender
 /// tested any of its sends: every send still ends done, none failed (a
@@ -682,9 +655,4 @@ fn sends_the_receiver_took_succeed_after_its_bye(provider: &str) {
     core::close_send(s).unwrap();
     core::finalize(ctx).unwrap();
 }
-each!(sends_the_receiver_took_succeed_after_its_bye:
-    tcp_rdma_sends_the_receiver_took_succeed_after_its_bye = "tcp", "rdma";
-    shm_rdma_sends_the_receiver_took_succeed_after_its_bye = "shm", "rdma";
-    tcp_sendrecv_sends_the_receiver_took_succeed_after_its_bye = "tcp", "sendrecv";
-    shm_sendrecv_sends_the_receiver_took_succeed_after_its_bye = "shm", "sendrecv";
-);
+each!(sends_the_receiver_took_succeed_after_its_bye: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
