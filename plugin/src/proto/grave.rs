@@ -20,8 +20,6 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use libfabric_sys as fi;
-
 use super::hub::{context, data_tag};
 use super::pool::SLOT_ALIGN;
 use super::wire::Ctrl;
@@ -55,6 +53,23 @@ struct Drain {
     tag: Option<i32>,
     /// With the provider.
     posted: bool,
+}
+
+/// What a closing receive comm leaves its hub to drain for it.
+#[derive(Debug)]
+pub struct Closed {
+    /// The comm's id on the hub.
+    pub id: u32,
+    /// Its peer's address and token.
+    pub src: FiAddr,
+    pub token: u32,
+    /// The peer's messages the comm took (matched), and how many the peer
+    /// sent in all when its `Bye` came.
+    pub taken: u32,
+    pub sent: Option<u32>,
+    /// The largest receive the comm posted, and the NCCL tags it posted.
+    pub cap: usize,
+    pub tags: Vec<i32>,
 }
 
 struct Grave {
@@ -144,68 +159,46 @@ impl Grave {
 #[derive(Default)]
 pub struct Graves {
     map: HashMap<u32, Grave>,
-    /// Messages drained so far, graves dug.
-    drained: u64,
-    dug: u64,
 }
 
 impl std::fmt::Debug for Graves {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (open, dug, drained) = self.counts();
-        write!(f, "Graves({open} open, {dug} dug, {drained} drained)")
+        write!(f, "Graves({} open)", self.map.len())
     }
 }
 
 impl Graves {
-    /// Graves open now; graves dug and messages drained so far.
-    pub fn counts(&self) -> (usize, u64, u64) {
-        (self.map.len(), self.dug, self.drained)
-    }
-
-    /// Digs a grave for closed comm `id` whose peer is at `src` with
-    /// `token`, having taken `taken` of its messages (and sent `sent` in
-    /// all, when its `Bye` came), whose largest receive was `cap` bytes.
-    #[allow(clippy::too_many_arguments)]
-    pub fn dig(
-        &mut self,
-        ep: &Endpoint,
-        registrar: DomainRegistrar,
-        id: u32,
-        src: FiAddr,
-        token: u32,
-        taken: u32,
-        sent: Option<u32>,
-        cap: usize,
-        tags: &[i32],
-    ) {
-        if sent.is_some_and(|s| s == taken) {
+    /// Digs a grave for closed comm `c.id`, unless its peer's `Bye` said
+    /// the comm took all it sent.
+    pub fn dig(&mut self, ep: &Endpoint, registrar: DomainRegistrar, c: Closed) {
+        if c.sent.is_some_and(|s| s == c.taken) {
             return;
         }
-        let size = cap.max(GRAVE_MIN);
-        let list = Freelist::new(
-            HostPages,
-            registrar,
-            Params {
-                elem_size: size,
-                align: SLOT_ALIGN,
-                elems_per_block: 1,
-                max_elems: 1,
-            },
-        );
-        let mut list = match list {
-            Ok(l) => l,
+        let size = c.cap.max(GRAVE_MIN);
+        let params = Params {
+            elem_size: size,
+            align: SLOT_ALIGN,
+            elems_per_block: 1,
+            max_elems: 1,
+        };
+        let (list, buf) = match Freelist::new(HostPages, registrar, params)
+            .and_then(|mut l| l.alloc().map(|b| (l, b)))
+        {
+            Ok(lb) => lb,
             Err(e) => {
                 tracing::warn!("hub: no drain buffer for a closed comm ({e}): what its peer still sends stays with the provider");
                 return;
             }
         };
-        let buf = match list.alloc() {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::warn!("hub: no drain buffer for a closed comm ({e}): what its peer still sends stays with the provider");
-                return;
-            }
-        };
+        let Closed {
+            id,
+            src,
+            token,
+            taken,
+            sent,
+            tags,
+            ..
+        } = c;
         let mut g = Grave {
             src,
             token,
@@ -230,7 +223,6 @@ impl Graves {
             sent.map_or("unknown".to_owned(), |s| s.to_string()),
             g.drains.len()
         );
-        self.dug += 1;
         self.map.insert(id, g);
     }
 
@@ -252,7 +244,6 @@ impl Graves {
         if !cancelled {
             g.taken = g.taken.wrapping_add(1);
             g.last = Instant::now();
-            self.drained += 1;
         }
         if g.done() {
             g.retire(ep, id);
@@ -323,9 +314,4 @@ impl Drop for Graves {
             }
         }
     }
-}
-
-/// Whether a failed grave receive was cancelled (else it took a message).
-pub fn cancelled(err: u32) -> bool {
-    err == fi::FI_ECANCELED
 }

@@ -48,7 +48,7 @@ use libfabric_sys as fi;
 
 use super::cq::{drain, Event};
 use super::ctrl::{unframe, CtrlBufs, CTRL_HEAD};
-use super::grave::{is_grave, Graves};
+use super::grave::{is_grave, Closed, Graves};
 use super::wire::{CTRL_MAX, EAGER_HEAD};
 use super::DeviceState;
 use crate::error::{Error, Result};
@@ -311,27 +311,12 @@ impl Hub {
             .remove(&id);
     }
 
-    /// Leaves a grave for closed tagged receive comm `id` (see
-    /// [`super::grave`]): its peer at `src` with `token` may still send.
-    #[allow(clippy::too_many_arguments)]
-    pub fn dig(
-        &self,
-        id: u32,
-        src: FiAddr,
-        token: u32,
-        taken: u32,
-        sent: Option<u32>,
-        cap: usize,
-        tags: &[i32],
-    ) {
+    /// Leaves a grave for a closed tagged receive comm whose peer may still
+    /// send (see [`super::grave`]).
+    pub fn dig(&self, closed: Closed) {
         let ep = self.ep(Port::Passive);
         let registrar = crate::fabric::DomainRegistrar(Arc::clone(ep.domain()));
-        lock(&self.graves).dig(ep, registrar, id, src, token, taken, sent, cap, tags);
-    }
-
-    /// Graves open now; dug and messages drained so far.
-    pub fn graves(&self) -> (usize, u64, u64) {
-        lock(&self.graves).counts()
+        lock(&self.graves).dig(ep, registrar, closed);
     }
 
     /// The keeper's visit: reads both CQs (the provider moves transfers of
@@ -411,8 +396,7 @@ impl Hub {
         let deliver = |id: u32, ev: Ev| {
             match &ev {
                 Ev::Done(local, _) | Ev::Failed(local, _) if graves && is_grave(*local) => {
-                    let cancelled =
-                        matches!(&ev, Ev::Failed(_, e) if super::grave::cancelled(e.err));
+                    let cancelled = matches!(&ev, Ev::Failed(_, e) if e.err == fi::FI_ECANCELED);
                     lock(&self.graves).on_return(&p.ep, id, *local, cancelled);
                     return;
                 }

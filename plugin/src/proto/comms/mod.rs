@@ -335,6 +335,32 @@ const PEER_CLOSED: &str =
 
 /// Declares the peer dead: every request in flight fails, new ones are
 /// refused, one WARN names the peer.
+/// A closing comm's last wait: progresses (hurrying the keeper) while
+/// `waiting` holds, until `deadline`; then WARNs `why`.
+fn close_wait<S: Side>(
+    st: &mut S,
+    seat: &Seat,
+    deadline: Instant,
+    waiting: impl Fn(&S) -> bool,
+    why: &str,
+) {
+    while waiting(st) {
+        crate::core::keeper::hurry();
+        if let Err(e) = st.progress(seat) {
+            tracing::warn!("closing a {} {}: {e}", S::WHAT, st.peer().link.name);
+        }
+        if Instant::now() > deadline {
+            tracing::warn!(
+                "closing the {} {}: {why} (WEFT_PEER_TIMEOUT passed; raise it for peers that stall longer)",
+                S::WHAT,
+                st.peer().link.name,
+            );
+            break;
+        }
+        std::thread::yield_now();
+    }
+}
+
 fn die<S: Side>(st: &mut S, why: String) {
     if st.peer().link.dead.is_some() {
         return;

@@ -11,7 +11,7 @@ use libfabric_sys as fi;
 
 use crate::fabric::CompletionError;
 
-use super::super::grave::GRAVE_TAGS;
+use super::super::grave::{Closed, GRAVE_TAGS};
 use super::super::hub::{context, data_tag};
 use super::super::pool::Pool;
 use super::super::wire::RtrBuf;
@@ -317,74 +317,44 @@ impl Drop for RecvComm {
     /// to `WEFT_PEER_TIMEOUT`.
     fn drop(&mut self) {
         let st = &mut *lock(&self.inner);
-        // The peer may still send: it is linked, alive, and did not say it
-        // sent nothing more that was not matched.
-        let may_send = st.path == Path::Tagged
-            && st.peer.id != 0
-            && st.peer.link.dead.is_none()
-            && st.peer_sent.is_none_or(|s| s != st.matched);
+        // The peer may still send: it is linked and alive (the grave
+        // checks what its Bye said).
+        let may_send = st.path == Path::Tagged && st.peer.id != 0 && st.peer.link.dead.is_none();
         st.peer.say_bye(self.seat.ep(), 0);
         let deadline = Instant::now() + self.dev.peer_timeout;
         if st.path == Path::Rdma && st.busy() && st.peer.bye_said {
             // The sender answers when it is next progressed: by NCCL, or by
             // its keeper (hurried here for a sender in this process; another
             // process's ticks once a heartbeat period).
-            self.close_wait(
+            close_wait(
                 st,
+                &self.seat,
                 deadline,
                 |st| !st.peer.bye_heard && st.peer.link.dead.is_none(),
-                "with buffers offered: the sender did not answer its Bye",
+                "with buffers offered, the sender did not answer its Bye: it may still write into them",
             );
         }
         if st.peer.link.dead.is_none() {
             st.peer.link.dead = Some("the comm was closed".to_owned());
         }
-        self.close_wait(
+        close_wait(
             st,
+            &self.seat,
             deadline,
             RecvState::holds_posted,
-            "the provider did not return posted receives",
+            "the provider did not return posted receives: it may still write into them",
         );
         if may_send {
             // What it still sends is drained into the hub's own memory.
-            self.seat.hub.dig(
-                self.seat.id,
-                st.peer.link.peer.addr,
-                st.peer.link.token,
-                st.matched,
-                st.peer_sent,
-                st.max_cap,
-                &st.tags,
-            );
-        }
-    }
-}
-
-impl RecvComm {
-    /// Progresses (hurrying the keeper) while `waiting` holds, until
-    /// `deadline`; then WARNs that the provider may still write into NCCL's
-    /// buffers, `why`.
-    fn close_wait(
-        &self,
-        st: &mut RecvState,
-        deadline: Instant,
-        waiting: impl Fn(&RecvState) -> bool,
-        why: &str,
-    ) {
-        while waiting(st) {
-            crate::core::keeper::hurry();
-            if let Err(e) = st.progress(&self.seat) {
-                tracing::warn!("closing a receive comm: {e}");
-            }
-            if Instant::now() > deadline {
-                tracing::warn!(
-                    "closing the receive comm from {}: {why} within {:.1} s (WEFT_PEER_TIMEOUT); it may still write into them",
-                    st.peer.link.name,
-                    self.dev.peer_timeout.as_secs_f64()
-                );
-                break;
-            }
-            std::thread::yield_now();
+            self.seat.hub.dig(Closed {
+                id: self.seat.id,
+                src: st.peer.link.peer.addr,
+                token: st.peer.link.token,
+                taken: st.matched,
+                sent: st.peer_sent,
+                cap: st.max_cap,
+                tags: std::mem::take(&mut st.tags),
+            });
         }
     }
 }

@@ -508,23 +508,13 @@ impl Drop for SendComm {
         let st = &mut *lock(&self.inner);
         let sent = st.sent_tagged;
         st.peer.say_bye(self.seat.ep(), sent);
-        let deadline = Instant::now() + self.dev.peer_timeout;
-        while !st.peer.owed.is_empty() && st.peer.link.dead.is_none() {
-            if Instant::now() > deadline {
-                tracing::warn!(
-                    "closing the send comm to {}: the provider took none of its last {} control message(s) within {:.1} s (WEFT_PEER_TIMEOUT); its peer finds out by its silence",
-                    st.peer.link.name,
-                    st.peer.owed.len(),
-                    self.dev.peer_timeout.as_secs_f64()
-                );
-                break;
-            }
-            let _ = self.seat.hub.progress(self.seat.port);
-            if st.peer.flush(self.seat.ep()).is_err() {
-                break;
-            }
-            std::thread::yield_now();
-        }
+        close_wait(
+            st,
+            &self.seat,
+            Instant::now() + self.dev.peer_timeout,
+            |st| !st.peer.owed.is_empty() && st.peer.link.dead.is_none(),
+            "the provider took none of its last control messages: its peer finds out by its silence",
+        );
     }
 }
 
