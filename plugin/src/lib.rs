@@ -13,8 +13,8 @@
 
 pub mod adapter;
 
-/// The NCCL releases that pick each net API version (the reference sheet,
-/// §4.3): NCCL looks up the newest table it knows.
+/// The NCCL releases that pick each net API version (from each release's
+/// plugin loader): NCCL looks up the newest table it knows.
 pub const NCCL_RELEASES: &[(u32, &str)] = &[
     (5, "2.12"),
     (6, "2.13-2.18"),

@@ -1,5 +1,7 @@
-//! Independent ABI guard: hand-written expectations from the reference sheet
-//! (`nccl-net-abi.md` §1.1, §1.2, §1.3), checked against the generated types.
+//! Independent ABI guard: hand-written expectations of NCCL's net ABI (the
+//! properties struct's sizes and offsets and each table's member count per
+//! version, as NCCL's headers declare them), checked against the generated
+//! types.
 //! It does not read the descriptors, so a wrong descriptor fails here even
 //! where CI has no NCCL headers to compare against (v9..v12).
 
