@@ -262,6 +262,48 @@ impl Forger {
                 Err(e) => panic!("forger write: {e}"),
             }
         });
+        self.wait_for(ctx, "the write", progress)
+    }
+
+    /// Sends `len` bytes of 0xEE as a *tagged* message with `tag` to `to`
+    /// (data no Weft peer sends under rdma) and waits for the outcome,
+    /// calling `progress` meanwhile.
+    pub fn tsend(
+        &self,
+        to: FiAddr,
+        len: usize,
+        tag: u64,
+        mut progress: impl FnMut(),
+    ) -> Result<(), String> {
+        assert!(len <= WRITE_MAX);
+        let ctx = 0x78usize as *mut libc::c_void;
+        crate::poll_until("the forger's tagged send to be taken", || {
+            // SAFETY: the source is `len` registered bytes owned by the
+            // forger, which outlives the endpoint.
+            match unsafe {
+                self.ep
+                    .tsend(self.src.as_ptr(), len, self.src_mr.desc(), to, tag, ctx)
+            } {
+                Ok(()) => Some(()),
+                Err(e) if e.is_again() => {
+                    progress();
+                    None
+                }
+                Err(e) => panic!("forger tagged send: {e}"),
+            }
+        });
+        self.wait_for(ctx, "the tagged send", progress)
+    }
+
+    /// Reads the forger's CQ until the operation posted with `ctx` ends
+    /// (control messages that arrive meanwhile are dropped and their
+    /// receive posted again), for at most 10 s.
+    fn wait_for(
+        &self,
+        ctx: *mut libc::c_void,
+        what: &str,
+        mut progress: impl FnMut(),
+    ) -> Result<(), String> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         let mut c = [Completion::default(); 1];
         loop {
@@ -272,7 +314,7 @@ impl Forger {
                 Err(e) => return Err(e.to_string()),
             }
             if std::time::Instant::now() > deadline {
-                return Err("the write never completed".into());
+                return Err(format!("{what} never completed"));
             }
             progress();
         }

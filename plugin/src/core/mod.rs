@@ -268,6 +268,7 @@ fn start(config: Option<Config>) -> Result<Running> {
             // message is copied eagerly (nor injected).
             eager_size: if cuda { 0 } else { config.eager_size },
             peer_timeout: config.peer_timeout,
+            sinks_tagged: rma,
             hub: std::sync::Mutex::new(None),
             dev,
         }));

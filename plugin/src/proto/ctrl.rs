@@ -38,6 +38,21 @@ pub const CTRL_HEAD: usize = 8;
 /// Context bit of a posted control buffer (the low bits are its index);
 /// comms' operation contexts never set it (their ids are 24 bits).
 pub(crate) const CTRL_CTX: u64 = 1 << 63;
+/// Context bit (with [`CTRL_CTX`]) of a sink buffer: see [`Posts::Sink`].
+const SINK_CTX: u64 = 1 << 62;
+
+/// What a set of hub buffers is kept posted for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Posts {
+    /// Control messages (untagged receives).
+    Control,
+    /// Tagged messages from anyone with any tag, to be dropped: where a
+    /// protocol takes nothing tagged (rdma), whatever a peer sends tagged
+    /// lands here and is thrown away at once, instead of waiting in the
+    /// provider's unexpected queue (rxm buffers every unexpected message,
+    /// without bound).
+    Sink,
+}
 
 /// A control message to comm `id` from a comm with `token`, as it travels.
 pub fn frame(id: u32, token: u32, msg: &Ctrl) -> Vec<u8> {
@@ -71,7 +86,7 @@ pub fn unframe(bytes: &[u8]) -> Option<(u32, u32, &[u8])> {
     ))
 }
 
-/// Registered buffers kept posted for control messages.
+/// Registered buffers kept posted for control messages (or as a sink).
 pub(crate) struct CtrlBufs {
     pub(crate) list: Freelist<HostPages, DomainRegistrar>,
     pub(crate) posted: Vec<Elem>,
@@ -80,12 +95,23 @@ pub(crate) struct CtrlBufs {
     pub(crate) unposted: Vec<usize>,
     /// Bytes per buffer.
     size: usize,
+    /// What they are posted for.
+    posts: Posts,
+    /// Messages taken (sinks count what they dropped).
+    pub(crate) taken: u64,
 }
 
 impl CtrlBufs {
-    /// Posts `count` buffers of `size` bytes (at least [`CTRL_HEAD`] +
-    /// [`CTRL_MAX`]; more for eager data) on `ep` for control messages.
-    pub(crate) fn new(dev: &DeviceState, ep: &Endpoint, count: usize, size: usize) -> Result<Self> {
+    /// Posts `count` buffers of `size` bytes on `ep`: for control messages
+    /// (at least [`CTRL_HEAD`] + [`CTRL_MAX`]; more for eager data), or as a
+    /// sink ([`Posts::Sink`]).
+    pub(crate) fn new(
+        dev: &DeviceState,
+        ep: &Endpoint,
+        posts: Posts,
+        count: usize,
+        size: usize,
+    ) -> Result<Self> {
         let mut list = Freelist::new(
             HostPages,
             DomainRegistrar(Arc::clone(&dev.domain)),
@@ -106,6 +132,8 @@ impl CtrlBufs {
             posted,
             unposted: Vec::new(),
             size,
+            posts,
+            taken: 0,
         };
         for i in 0..count {
             me.repost(ep, i)?;
@@ -136,26 +164,40 @@ impl CtrlBufs {
     pub(crate) fn post(&self, ep: &Endpoint, i: usize) -> std::result::Result<(), FiError> {
         let e = &self.posted[i];
         let desc = e.mr.map_or(std::ptr::null_mut(), |m| m.desc);
+        let ctx = (self.ctx_bits() | i as u64) as usize as *mut c_void;
         // SAFETY: the buffer is `size` bytes of registered memory owned by
         // this list, which outlives the endpoint (fields drop ep first); the
-        // context names the buffer (`CTRL_CTX` and its index).
+        // context names the buffer (its bits and its index).
         unsafe {
-            ep.recv(
-                e.ptr.as_ptr(),
-                self.size,
-                desc,
-                fi::FI_ADDR_UNSPEC,
-                (CTRL_CTX | i as u64) as usize as *mut c_void,
-            )
+            match self.posts {
+                Posts::Control => ep.recv(e.ptr.as_ptr(), self.size, desc, fi::FI_ADDR_UNSPEC, ctx),
+                Posts::Sink => ep.trecv(
+                    e.ptr.as_ptr(),
+                    self.size,
+                    desc,
+                    fi::FI_ADDR_UNSPEC,
+                    0,
+                    u64::MAX,
+                    ctx,
+                ),
+            }
         }
     }
 
-    /// Which posted buffer a completion context names (`None`: not a
-    /// control buffer's).
+    fn ctx_bits(&self) -> u64 {
+        match self.posts {
+            Posts::Control => CTRL_CTX,
+            Posts::Sink => CTRL_CTX | SINK_CTX,
+        }
+    }
+
+    /// Which of these posted buffers a completion context names (`None`:
+    /// none of them).
     pub(crate) fn find(&self, ctx: *mut c_void) -> Option<usize> {
         let c = ctx as usize as u64;
-        let i = (c & !CTRL_CTX) as usize;
-        (c & CTRL_CTX != 0 && i < self.posted.len()).then_some(i)
+        let bits = CTRL_CTX | SINK_CTX;
+        let i = (c & !bits) as usize;
+        (c & bits == self.ctx_bits() && i < self.posted.len()).then_some(i)
     }
 
     pub(crate) fn bytes(&self, i: usize, len: usize) -> &[u8] {

@@ -28,7 +28,9 @@
 //! was offered to has.
 //! The hub itself recognises its own posted control buffers before anything
 //! else, so a message with remote CQ data (which Weft never sends) cannot
-//! pass for a write, and a buffer it took is always posted again.
+//! pass for a write, and a buffer it took is always posted again. Where the
+//! protocol takes nothing tagged (rdma) it also keeps sink receives posted
+//! that drop any tagged message ([`SINK_POSTED`]).
 //!
 //! **Progress.** Whichever thread calls [`Hub::progress`] first reads the
 //! CQ for everyone: it takes the port's poll lock with `try_lock` (a thread
@@ -47,7 +49,7 @@ use std::time::Instant;
 use libfabric_sys as fi;
 
 use super::cq::{drain, Event};
-use super::ctrl::{unframe, CtrlBufs, CTRL_HEAD};
+use super::ctrl::{unframe, CtrlBufs, Posts, CTRL_HEAD};
 use super::grave::{is_grave, Closed, Graves};
 use super::wire::{CTRL_MAX, EAGER_HEAD};
 use super::DeviceState;
@@ -64,6 +66,15 @@ const CTRL_POSTED: usize = 256;
 /// CQ entries per hub endpoint: a shared CQ must hold what all its comms
 /// have in flight until some thread reads it.
 const CQ_SIZE: usize = 16384;
+/// Sink receives kept posted per endpoint where the protocol takes nothing
+/// tagged, and their size: rxm's eager messages (16 KiB buffers) fit whole,
+/// so none is truncated (a truncated eager receive wedges rxm's connection,
+/// ofiwg/libfabric #8274); larger ones arrive by rendezvous and are
+/// truncated into it. Not on shm: libfabric 1.17's shm never completes a
+/// truncated tagged receive above 4 KiB (its `fi_cq_read` spins), and shm
+/// keeps a large unexpected message at its sender, not here.
+const SINK_POSTED: usize = 8;
+const SINK_SIZE: usize = 16 << 10;
 /// Comm ids are below this (24 bits: they ride in a 32-bit immediate).
 pub const MAX_ID: u32 = 1 << 24;
 
@@ -203,6 +214,8 @@ struct PortState {
     // Field order is drop order: the endpoint closes before its buffers go.
     ep: Endpoint,
     ctrl: Mutex<CtrlBufs>,
+    /// Tagged messages dropped on arrival ([`Posts::Sink`]).
+    sink: Mutex<Option<CtrlBufs>>,
     poll: Mutex<()>,
     name: Vec<u8>,
     /// When this port's CQ was last read (ns since the hub opened).
@@ -258,11 +271,25 @@ impl Hub {
                 dev.domain.set_mr_endpoint(ep.raw());
             }
             let size = CTRL_HEAD + CTRL_MAX.max(EAGER_HEAD + eager_max);
-            let ctrl = CtrlBufs::new(dev, &ep, CTRL_POSTED, size)?;
+            let ctrl = CtrlBufs::new(dev, &ep, Posts::Control, CTRL_POSTED, size)?;
+            let sink = if dev.sinks_tagged
+                && dev.domain.info().provider() != crate::fabric::provider::SHM
+            {
+                Some(CtrlBufs::new(
+                    dev,
+                    &ep,
+                    Posts::Sink,
+                    SINK_POSTED,
+                    SINK_SIZE,
+                )?)
+            } else {
+                None
+            };
             let name = ep.name()?;
             Ok(PortState {
                 ep,
                 ctrl: Mutex::new(ctrl),
+                sink: Mutex::new(sink),
                 poll: Mutex::new(()),
                 name,
                 polled: AtomicU64::new(0),
@@ -391,6 +418,10 @@ impl Hub {
         };
         let mut ctrl = lock(&p.ctrl);
         ctrl.repost_waiting(&p.ep)?;
+        let mut sink = lock(&p.sink);
+        if let Some(s) = &mut *sink {
+            s.repost_waiting(&p.ep)?;
+        }
         let boxes = self.boxes.read().unwrap_or_else(|e| e.into_inner());
         let graves = port == Port::Passive;
         let deliver = |id: u32, ev: Ev| {
@@ -416,6 +447,18 @@ impl Hub {
         };
         let wide = self.wide;
         drain(&**p.ep.cq(), |ev| {
+            let ctx = match &ev {
+                Event::Done(c, _) => c.op_context,
+                Event::Failed(e) => e.context,
+            };
+            if let Some((s, i)) = sink.as_mut().and_then(|s| s.find(ctx).map(|i| (s, i))) {
+                s.taken += 1;
+                tracing::debug!(
+                    "hub: dropped tagged message {} from a peer (this protocol takes none)",
+                    s.taken
+                );
+                return s.repost(&p.ep, i);
+            }
             match ev {
                 Event::Done(c, src) => on_done(c, src, wide, &mut ctrl, &p.ep, deliver),
                 Event::Failed(e) => {

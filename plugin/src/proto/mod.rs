@@ -61,6 +61,9 @@ pub struct DeviceState {
     pub eager_size: usize,
     /// `WEFT_PEER_TIMEOUT`.
     pub peer_timeout: Duration,
+    /// The protocol takes no tagged messages (rdma): the hub drops any
+    /// that arrive (see [`ctrl::Posts::Sink`]).
+    pub sinks_tagged: bool,
     /// The device's shared endpoints, opened by its first comm.
     pub hub: std::sync::Mutex<Option<Arc<hub::Hub>>>,
 }

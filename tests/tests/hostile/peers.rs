@@ -496,6 +496,66 @@ fn a_control_flood_costs_no_memory(provider: &str) {
 }
 each!(a_control_flood_costs_no_memory: tcp_rdma, shm_sendrecv);
 
+/// A non-Weft peer sends tagged data (which the rdma protocol never sends
+/// nor receives): 8 000 x 16 KB and 200 x 200 KB to the receive comm it
+/// connected to, and as many to a listener it never shook hands with, while
+/// the host drives another pair on the same device. Under rdma the hub
+/// keeps sink receives posted that take and drop any tagged message, so
+/// rxm buffers none of them (before: +134 MB for the 8 000 at the comm):
+/// the process grows by less than 16 MB after warm-up, and the other pair
+/// moves verified data throughout. Not on shm (see the README: shm keeps no
+/// sink, and a tagged flood stops its endpoint).
+fn tagged_data_is_not_buffered_under_rdma(provider: &str) {
+    let ctx = init(provider);
+    let (s, r) = pair(ctx);
+    let (f, linked, flooded) = forger_pair(ctx, provider);
+    let (h, l) = listen(ctx);
+    let listener = f.peer(&ListenHandle::decode(&h).unwrap().addr);
+    let mut round = 0;
+    let mut flood = |to, n: u32, len: usize| {
+        let mut failed = 0;
+        for i in 0..n {
+            // Any tag: the one a Weft comm's data would carry, and others.
+            let tag = data_tag(linked.id, (i % 4) as i32);
+            let out = f.tsend(to, len, tag, || {
+                assert!(core::accept(l).unwrap().is_none());
+            });
+            failed += u32::from(out.is_err());
+            if i % 500 == 0 {
+                round += 1;
+                send_verified(s, r, 2 + round % 8, 3000);
+            }
+        }
+        println!("{n} x {len} B: {failed} sends failed at the sender");
+    };
+    // Eager messages (rxm's 16 KiB buffers), and rendezvous ones.
+    let (n, len, big) = (8000, 16_000, 200);
+    // Warm-up: rxm's pools grow once (+16 MB with rendezvous messages,
+    // measured the same after 400 or 2 000 of them).
+    flood(linked.to, 500, len);
+    flood(linked.to, big / 4, 200_000);
+    let rss0 = weft_tests::status_kb("VmRSS");
+    flood(linked.to, n, len);
+    flood(listener, n, len);
+    flood(linked.to, big, 200_000);
+    flood(listener, big, 200_000);
+    send_verified(s, r, 1, 100);
+    let rss1 = weft_tests::status_kb("VmRSS");
+    let grown = rss1.saturating_sub(rss0) / 1024;
+    println!(
+        "{provider}: 2 x ({n} x {len} B + {big} x 200 000 B) of tagged data to an rdma comm and \
+         listener after warm-up: RSS +{grown} MB"
+    );
+    assert!(
+        grown < 16,
+        "{provider}: RSS grew by {grown} MB ({rss0} -> {rss1} kB)"
+    );
+    core::close_listen(l).unwrap();
+    let _ = core::close_recv(flooded);
+    close_pair(s, r);
+}
+each!(tagged_data_is_not_buffered_under_rdma: tcp_rdma);
+
 /// A buffer deregistered while its receive is in flight (NCCL does not do
 /// this; a buggy host might): on shm the sender's write never completes,
 /// the sender finds it stuck after `WEFT_PEER_TIMEOUT` and tells the
