@@ -407,7 +407,7 @@ fn many_connects_to_one_listener(provider: &str) {
         core::close_recv(*r).unwrap();
     }
 }
-each!(many_connects_to_one_listener: tcp_rdma, shm_rdma, tcp_sendrecv);
+each!(many_connects_to_one_listener: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
 
 /// A sender that finished 4 small sends and closed: the receiver's later
 /// receives still get all 4 (rdma: from the stash; sendrecv: from the
@@ -448,6 +448,80 @@ fn what_was_sent_before_bye_is_received(provider: &str) {
     core::close_recv(r).unwrap();
 }
 each!(what_was_sent_before_bye_is_received: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
+
+/// 20 scenarios of grouped receives (n = 1..8 tags) of small, eager
+/// messages (8..36 bytes: eager within tcp;ofi_rxm's 64-byte inject, so no
+/// send waits for the receiver) whose sender finished its sends and closed: the receive posted
+/// after the `Bye`, posted before the sends, or posted between two halves
+/// of them. Every message is received whole, whenever the `Bye` came (a
+/// send `test` reported done is receivable).
+fn grouped_eager_receives_survive_the_senders_close(provider: &str) {
+    let ctx = init(provider);
+    for sc in 0..20usize {
+        let (s, r) = pair(ctx);
+        let n = 1 + sc % 8;
+        let tags: Vec<i32> = (0..n as i32).map(|j| 10 + j).collect();
+        let msgs: Vec<Vec<u8>> = (0..n)
+            .map(|j| pattern(sc as u64, tags[j], 8 + 4 * j))
+            .collect();
+        let smhs: Vec<_> = msgs.iter().map(|m| reg(s, m)).collect();
+        let mut dsts: Vec<Vec<u8>> = (0..n).map(|j| vec![0u8; 8 + 4 * j]).collect();
+        let rmhs: Vec<_> = dsts.iter().map(|d| reg(r, d)).collect();
+        let send = |range: std::ops::Range<usize>| {
+            for j in range {
+                wait(isend(s, &msgs[j], tags[j], smhs[j]));
+            }
+        };
+        let close_send = || {
+            for &mh in &smhs {
+                core::dereg_mr(s, mh).unwrap();
+            }
+            core::close_send(s).unwrap();
+        };
+        let post = |dsts: &mut Vec<Vec<u8>>| {
+            let mut bufs: Vec<&mut [u8]> = dsts.iter_mut().map(|d| &mut d[..]).collect();
+            irecv(r, &mut bufs, &tags, &rmhs)
+        };
+        let q = match sc / 8 {
+            0 => {
+                send(0..n);
+                close_send();
+                post(&mut dsts)
+            }
+            1 => {
+                let q = post(&mut dsts);
+                send(0..n);
+                close_send();
+                q
+            }
+            _ => {
+                send(0..n / 2);
+                let q = post(&mut dsts);
+                send(n / 2..n);
+                close_send();
+                q
+            }
+        };
+        let d = poll_until("the grouped receive", || core::test(q).transpose())
+            .unwrap_or_else(|e| panic!("{provider}: scenario {sc} (n = {n}): {e}"));
+        for j in 0..n {
+            assert_eq!(
+                d.sizes[j],
+                msgs[j].len(),
+                "{provider}: scenario {sc}, message {j}"
+            );
+            assert!(
+                dsts[j] == msgs[j],
+                "{provider}: scenario {sc}, message {j} differs"
+            );
+        }
+        for mh in rmhs {
+            core::dereg_mr(r, mh).unwrap();
+        }
+        core::close_recv(r).unwrap();
+    }
+}
+each!(grouped_eager_receives_survive_the_senders_close: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
 
 /// A connected peer floods its receive comm with `Alive`s and `Credit`s
 /// (200 000 on tcp, 50 000 on shm) while the host drives another pair on the same device
