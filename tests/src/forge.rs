@@ -295,6 +295,38 @@ impl Forger {
         self.wait_for(ctx, "the tagged send", progress)
     }
 
+    /// Sends `bytes` as they are (an untagged message of any size, e.g. a
+    /// control message larger than the receiver's buffers) to `to` and
+    /// waits for the outcome, calling `progress` meanwhile.
+    pub fn send_bytes(
+        &mut self,
+        to: FiAddr,
+        bytes: &[u8],
+        mut progress: impl FnMut(),
+    ) -> Result<(), String> {
+        assert!(bytes.len() <= WRITE_MAX);
+        self.src[..bytes.len()].copy_from_slice(bytes);
+        let ctx = 0x79usize as *mut libc::c_void;
+        crate::poll_until("the forger's send to be taken", || {
+            // SAFETY: the source is registered bytes owned by the forger,
+            // which outlives the endpoint, unchanged until the completion.
+            match unsafe {
+                self.ep
+                    .send(self.src.as_ptr(), bytes.len(), self.src_mr.desc(), to, ctx)
+            } {
+                Ok(()) => Some(()),
+                Err(e) if e.is_again() => {
+                    progress();
+                    None
+                }
+                Err(e) => panic!("forger send: {e}"),
+            }
+        });
+        let out = self.wait_for(ctx, "the send", progress);
+        self.src[..bytes.len()].fill(0xEE);
+        out
+    }
+
     /// Reads the forger's CQ until the operation posted with `ctx` ends
     /// (control messages that arrive meanwhile are dropped and their
     /// receive posted again), for at most 10 s.

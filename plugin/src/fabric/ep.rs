@@ -204,6 +204,27 @@ impl Endpoint {
         .map(drop)
     }
 
+    /// Sends an untagged message of `len` bytes from `buf`.
+    ///
+    /// # Safety
+    /// As for [`Endpoint::tsend`].
+    pub unsafe fn send(
+        &self,
+        buf: *const u8,
+        len: usize,
+        desc: *mut libc::c_void,
+        dest: FiAddr,
+        ctx: *mut libc::c_void,
+    ) -> Result<(), FiError> {
+        let ep = self.live("fi_send")?;
+        self.check_desc("fi_send", len, desc)?;
+        // SAFETY: upheld by the caller as documented.
+        check("fi_send", unsafe {
+            fi::fi_send(ep, buf.cast(), len, desc, dest, ctx)
+        })
+        .map(drop)
+    }
+
     /// Posts an untagged receive (any message from `src`).
     ///
     /// # Safety

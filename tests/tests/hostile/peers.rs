@@ -790,3 +790,78 @@ fn sends_the_receiver_took_succeed_after_its_bye(provider: &str) {
     core::finalize(ctx).unwrap();
 }
 each!(sends_the_receiver_took_succeed_after_its_bye: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
+
+/// A peer sends a control message larger than the hub's control buffers
+/// (400 bytes), then says `Alive` every 50 ms. tcp;ofi_rxm reports the
+/// truncation and then delivers nothing more from that connection
+/// (libfabric #8274's class): the comm hears only silence and is declared
+/// dead within `WEFT_PEER_TIMEOUT` (3 s here), with the message dropped
+/// and logged. shm takes the message without a word (no truncation is
+/// reported) and the comm goes on: the peer's data still lands. Either way a second pair on the same device keeps moving
+/// verified data.
+fn an_oversized_control_message_wedges_only_its_sender(provider: &str) {
+    std::env::set_var("WEFT_PEER_TIMEOUT", "3");
+    let ctx = init_logged(provider);
+    let rdma = std::env::var("WEFT_PROTOCOL").is_ok_and(|p| p == "rdma");
+    let (s, r) = pair(ctx);
+    let (mut f, linked, victim) = forger_pair(ctx, provider);
+    f.as_itself(&linked);
+    let mut dst = vec![0u8; 1000];
+    let mh = reg(victim, &dst);
+    let q = irecv(victim, &mut [&mut dst[..]], &[1], &[mh]);
+    let offer = rdma.then(|| {
+        next_rtr(&f, || {
+            assert!(core::test(q).unwrap().is_none());
+        })
+    });
+    let mut big = weft::proto::frame(linked.id, 0x5eed_f00d, &Ctrl::Alive);
+    big.resize(400, 0);
+    let sent = std::time::Instant::now();
+    f.send_bytes(linked.to, &big, || {
+        assert!(core::test(q).unwrap().is_none());
+    })
+    .expect("the oversized message leaves");
+    if provider == "shm" {
+        if let Some((slot, buf)) = offer {
+            let imm = immediate(linked.id, slot << 3, Some(1000), buf.ticket);
+            f.write(linked.to, 1000, buf.addr, buf.key, imm, || {})
+                .expect("the write after the oversized message");
+        } else {
+            f.tsend(linked.to, 1000, data_tag(linked.id, 1), || {})
+                .expect("the send after the oversized message");
+        }
+        let d = poll_until("the receive to complete", || core::test(q).unwrap());
+        assert_eq!(d.sizes[0], 1000, "{provider}");
+        assert!(
+            dst.iter().all(|&b| b == 0xEE),
+            "{provider}: the peer's data"
+        );
+    } else {
+        poll_until("the truncated control message to be logged", || {
+            assert!(core::test(q).unwrap().is_none());
+            (weft_tests::capture::lines()
+                .iter()
+                .any(|l| l.text.contains("dropped a bad control message")))
+            .then_some(())
+        });
+        let e = poll_until("the wedged peer to be declared dead", || {
+            f.send_while(linked.to, &Ctrl::Alive, || {});
+            send_verified(s, r, 3, 100);
+            core::test(q)
+                .transpose()
+                .map(|r| r.expect_err("nothing was sent"))
+        });
+        let took = sent.elapsed();
+        println!("{provider}: a wedged peer declared dead after {took:?}: {e}");
+        assert!(e.msg.contains("declared dead"), "{provider}: {e}");
+        assert!(
+            took < std::time::Duration::from_secs(6),
+            "{provider}: declared dead after {took:?}, WEFT_PEER_TIMEOUT = 3 s"
+        );
+    }
+    send_verified(s, r, 4, 5000);
+    core::dereg_mr(victim, mh).unwrap();
+    let _ = core::close_recv(victim);
+    close_pair(s, r);
+}
+each!(an_oversized_control_message_wedges_only_its_sender: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
