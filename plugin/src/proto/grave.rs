@@ -14,8 +14,9 @@
 //! hub's own (never NCCL's), posted again after every message it takes. A
 //! grave goes once the peer's `Bye` says every message it sent was taken
 //! (matched by the comm, then drained here), or once nothing came for it
-//! for `WEFT_PEER_TIMEOUT`. Its buffer is freed only after the provider
-//! returned its receive.
+//! for `WEFT_PEER_TIMEOUT`, or at once when the provider fails one of its
+//! receives (the peer's connection broke: posting to it again crashed
+//! rxm). Its buffer is freed only after the provider returned its receive.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -155,6 +156,17 @@ impl Grave {
     }
 }
 
+/// How the provider returned a grave's receive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Returned {
+    /// It took a message (whole, or cut to the buffer: `FI_ETRUNC`).
+    Took,
+    /// It was cancelled.
+    Cancelled,
+    /// It failed otherwise.
+    Failed,
+}
+
 /// A hub's graves (passive port), by the closed comm's id.
 #[derive(Default)]
 pub struct Graves {
@@ -232,8 +244,12 @@ impl Graves {
     }
 
     /// The provider returned receive `local` of grave `id`: it took a
-    /// message (`cancelled` false: delivered or truncated), or gave it back.
-    pub fn on_return(&mut self, ep: &Endpoint, id: u32, local: u32, cancelled: bool) {
+    /// message (delivered or truncated), gave it back (cancelled), or
+    /// failed it (the peer's connection broke: nothing more comes, and
+    /// nothing is posted to that peer again — found by the soak, where
+    /// reposting after a killed peer's failure crashed inside rxm's
+    /// `fi_trecv`).
+    pub fn on_return(&mut self, ep: &Endpoint, id: u32, local: u32, how: Returned) {
         let Some(g) = self.map.get_mut(&id) else {
             return;
         };
@@ -241,11 +257,11 @@ impl Graves {
             return;
         };
         d.posted = false;
-        if !cancelled {
+        if how == Returned::Took {
             g.taken = g.taken.wrapping_add(1);
             g.last = Instant::now();
         }
-        if g.done() {
+        if g.done() || how == Returned::Failed {
             g.retire(ep, id);
         }
         if !g.retiring {

@@ -50,7 +50,7 @@ use libfabric_sys as fi;
 
 use super::cq::{drain, Event};
 use super::ctrl::{unframe, CtrlBufs, Posts, CTRL_HEAD};
-use super::grave::{is_grave, Closed, Graves};
+use super::grave::{is_grave, Closed, Graves, Returned};
 use super::wire::{CTRL_MAX, EAGER_HEAD};
 use super::DeviceState;
 use crate::error::{Error, Result};
@@ -427,8 +427,12 @@ impl Hub {
         let deliver = |id: u32, ev: Ev| {
             match &ev {
                 Ev::Done(local, _) | Ev::Failed(local, _) if graves && is_grave(*local) => {
-                    let cancelled = matches!(&ev, Ev::Failed(_, e) if e.err == fi::FI_ECANCELED);
-                    lock(&self.graves).on_return(&p.ep, id, *local, cancelled);
+                    let how = match &ev {
+                        Ev::Failed(_, e) if e.err == fi::FI_ECANCELED => Returned::Cancelled,
+                        Ev::Failed(_, e) if e.err != fi::FI_ETRUNC => Returned::Failed,
+                        _ => Returned::Took,
+                    };
+                    lock(&self.graves).on_return(&p.ep, id, *local, how);
                     return;
                 }
                 _ => {}
