@@ -48,7 +48,12 @@ impl Forger {
     /// Opens an endpoint on `provider`'s loopback domain (opened for RMA,
     /// as the rdma protocol opens it) with one control receive posted.
     pub fn open(provider: &str) -> Self {
-        let domain = crate::loopback_domain_for(provider, true).expect("forger domain");
+        Self::open_on(crate::loopback_domain_for(provider, true).expect("forger domain"))
+    }
+
+    /// [`Forger::open`] on a domain of the caller's choosing (another
+    /// host's rail, say).
+    pub fn open_on(domain: Arc<Domain>) -> Self {
         let ep = Endpoint::open_own(&domain).expect("forger endpoint");
         let buf = vec![0u8; CTRL_HEAD + CTRL_MAX + 8192];
         // SAFETY: `buf` lives, unmoved, as long as the registration (both

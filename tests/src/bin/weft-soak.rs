@@ -1,0 +1,501 @@
+//! One process of the soak (`tests/tests/soak.rs`): a rank that opens and
+//! closes comms all the time, or the third party beside them.
+//!
+//! ```text
+//! weft-soak rank RANK NRANKS DIR END       -> ok RANK epochs E msgs M bytes B gone G rss0 R rss1 R fds0 F fds1 F
+//! weft-soak garbage DIR SECONDS TAGGED      -> ok garbage sent N
+//! ```
+//!
+//! **A rank** works in epochs. In epoch `e` it receives from rank
+//! `from = rank - k` and sends to `to = rank + k` (mod NRANKS, `k = 1 + e %
+//! (NRANKS - 1)`), on comms made for that epoch alone: it listens, writes
+//! the handle to `DIR/e-FROM-RANK.handle` (with its pid), connects to
+//! `DIR/e-RANK-TO.handle`, moves 6 messages each way (8 B to 1 MiB, every
+//! byte verified), and closes both. Its pid is in `DIR/RANK.pid` and the
+//! epoch it reached in `DIR/RANK.epoch`: the driver SIGKILLs ranks and
+//! starts them again, and a restarted rank goes on after its predecessor's
+//! last epoch. A partner that died or was replaced (its pid file names
+//! another process, or no live one) is skipped for that epoch and counted
+//! as `gone`; anything else that fails (an error from a comm whose peer is
+//! alive and the same process, a byte that differs) ends the rank with
+//! `error ...`. After epoch 8 (the warm-up) it records RSS and open fds,
+//! and again at the end.
+//!
+//! **The garbage process** reads every handle as it appears and sends its
+//! listener junk: random bytes, framed control messages to random and real
+//! ids with random tokens, forged `Conn`s, and (with TAGGED=1, for the rdma
+//! ranks, whose endpoints drop tagged messages) tagged junk.
+
+use std::ffi::c_void;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use weft::core::{self, RecvArg};
+use weft::proto::wire::{Ctrl, ListenHandle, HANDLE_SIZE};
+use weft_tests::host::{self, pattern};
+use weft_tests::peer::{hex, unhex};
+
+/// Message sizes of one epoch, each way.
+const SIZES: [usize; 6] = [8, 100, 4096, 65_536, 300_000, 1 << 20];
+
+fn args() -> Vec<String> {
+    std::env::args().collect()
+}
+
+fn num(a: &[String], i: usize) -> Result<u64, String> {
+    a.get(i)
+        .ok_or_else(|| format!("argument {i} missing"))?
+        .parse()
+        .map_err(|e| format!("argument {i}: {e}"))
+}
+
+/// A small xorshift generator (junk need not be good randomness).
+struct Rng(u64);
+
+impl Rng {
+    fn new() -> Self {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        Self(t ^ (u64::from(std::process::id()) << 32) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+fn pid_of(dir: &Path, rank: u64) -> Option<u32> {
+    std::fs::read_to_string(dir.join(format!("{rank}.pid")))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s.split(' ').nth(2) == Some("Z"))
+}
+
+/// Whether rank `rank`'s process `pid` is gone (dead or replaced).
+fn gone(dir: &Path, rank: u64, pid: u32) -> bool {
+    pid_of(dir, rank) != Some(pid) || !alive(pid)
+}
+
+fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).map_err(|e| e.to_string())?;
+    std::fs::rename(&tmp, path).map_err(|e| e.to_string())
+}
+
+/// What became of one epoch's pair of comms.
+enum Outcome {
+    /// Both directions moved and verified every message.
+    Done(u64),
+    /// A partner died or was replaced (or went on without this rank).
+    Gone,
+}
+
+struct Rank {
+    rank: u64,
+    n: u64,
+    dir: PathBuf,
+    ctx: *mut c_void,
+    deadline: Instant,
+}
+
+impl Rank {
+    fn fds() -> usize {
+        std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+    }
+
+    /// One epoch: see the module's documentation.
+    fn epoch(&self, e: u64) -> Result<Outcome, String> {
+        let k = 1 + e % (self.n - 1);
+        let from = (self.rank + self.n - k) % self.n;
+        let to = (self.rank + k) % self.n;
+        let (h, l) = host::listen(self.ctx);
+        let me = std::process::id();
+        write_atomic(
+            &self.dir.join(format!("{e}-{from}-{}.handle", self.rank)),
+            &format!("{me} {}", hex(&h)),
+        )?;
+        let out = self.pair(e, from, to, l);
+        core::close_listen(l).map_err(|e| e.to_string())?;
+        out
+    }
+
+    /// The epoch's two directions, each on its own: one that cannot go on
+    /// (its partner died) never cuts the other short, as NCCL's ranks go on
+    /// with their other peers.
+    fn pair(&self, e: u64, from: u64, to: u64, l: *mut c_void) -> Result<Outcome, String> {
+        let mut send = Half::new(e, to, true);
+        let mut recv = Half::new(e, from, false);
+        recv.pid = pid_of(&self.dir, from);
+        let limit = Instant::now() + Duration::from_secs(180);
+        while !(send.settled() && recv.settled()) {
+            self.step_send(&mut send)?;
+            self.step_recv(&mut recv, l)?;
+            if Instant::now() > limit {
+                return Err(format!("epoch {e}: not settled after 180 s"));
+            }
+            std::thread::yield_now();
+        }
+        let mut bytes = 0;
+        for h in [&mut send, &mut recv] {
+            if let Some(c) = h.comm.take() {
+                for &mh in &h.mhs {
+                    let _ = core::dereg_mr(c, mh);
+                }
+                let _ = if h.sends {
+                    core::close_send(c)
+                } else {
+                    core::close_recv(c)
+                };
+            }
+            match h.end.take().expect("settled") {
+                Ok(b) => bytes += b,
+                Err(None) => return Ok(Outcome::Gone),
+                Err(Some(why)) => return Err(why),
+            }
+        }
+        if !recv.inb.is_empty() {
+            for (m, buf) in recv.inb.iter().enumerate() {
+                if *buf != pattern(e * 16 + m as u64, from as i32, buf.len()) {
+                    return Err(format!("epoch {e}: message {m} from rank {from} differs"));
+                }
+            }
+        }
+        Ok(Outcome::Done(bytes))
+    }
+
+    /// Whether rank `r` finished epoch `e` already (without this rank: it
+    /// took this rank's predecessor for gone).
+    fn passed(&self, r: u64, e: u64) -> bool {
+        std::fs::read_to_string(self.dir.join(format!("{r}.epoch")))
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok())
+            .is_some_and(|x| x >= e)
+    }
+
+    /// Whether `h`'s partner died or was replaced, or went on without it.
+    fn partner_gone(&self, h: &Half) -> bool {
+        h.pid.is_none_or(|p| gone(&self.dir, h.partner, p)) || self.passed(h.partner, h.e)
+    }
+
+    /// Ends `h` after an error: excused (gone) if its partner is gone.
+    fn fail(&self, h: &mut Half, why: String) {
+        h.end = Some(if self.partner_gone(h) {
+            Err(None)
+        } else {
+            Err(Some(format!(
+                "epoch {} ({} rank {}), both alive: {why}",
+                h.e,
+                if h.sends { "to" } else { "from" },
+                h.partner
+            )))
+        });
+    }
+
+    fn step_send(&self, h: &mut Half) -> Result<(), String> {
+        if h.settled() {
+            return Ok(());
+        }
+        if h.handle.is_none() {
+            let path = self
+                .dir
+                .join(format!("{}-{}-{}.handle", h.e, self.rank, h.partner));
+            if let Ok(t) = std::fs::read_to_string(&path) {
+                let (pid, hx) = t.trim().split_once(' ').ok_or("a bad handle file")?;
+                h.pid = Some(pid.parse().map_err(|_| "a bad pid")?);
+                h.handle = Some(unhex(hx)?);
+            } else {
+                if pid_of(&self.dir, h.partner).is_none_or(|p| !alive(p))
+                    || self.passed(h.partner, h.e)
+                {
+                    h.end = Some(Err(None));
+                }
+                return Ok(());
+            }
+        }
+        if h.comm.is_none() {
+            let handle = h.handle.as_mut().expect("read above");
+            match core::connect(self.ctx, 0, None, handle) {
+                Ok(Some(c)) => h.comm = Some(c),
+                Ok(None) if self.partner_gone(h) => h.end = Some(Err(None)),
+                Ok(None) => {}
+                Err(err) => self.fail(h, format!("connect: {err}")),
+            }
+            return Ok(());
+        }
+        self.step_transfer(h)
+    }
+
+    fn step_recv(&self, h: &mut Half, l: *mut c_void) -> Result<(), String> {
+        if h.settled() {
+            return Ok(());
+        }
+        if h.comm.is_none() {
+            match core::accept(l) {
+                Ok(Some(c)) => h.comm = Some(c),
+                Ok(None) if self.partner_gone(h) => h.end = Some(Err(None)),
+                Ok(None) => {}
+                Err(err) => self.fail(h, format!("accept: {err}")),
+            }
+            return Ok(());
+        }
+        self.step_transfer(h)
+    }
+
+    /// Posts what is not posted yet, tests what is: 6 messages (8 B to
+    /// 1 MiB), all in flight at once.
+    fn step_transfer(&self, h: &mut Half) -> Result<(), String> {
+        let c = h.comm.expect("a comm");
+        if h.reqs.is_empty() && h.out.is_empty() && h.inb.is_empty() {
+            if h.sends {
+                h.out = SIZES
+                    .iter()
+                    .enumerate()
+                    .map(|(m, &n)| pattern(h.e * 16 + m as u64, self.rank as i32, n))
+                    .collect();
+            } else {
+                h.inb = SIZES.iter().map(|&n| vec![0u8; n]).collect();
+            }
+        }
+        while h.reqs.len() < SIZES.len() {
+            let m = h.reqs.len();
+            let (ptr, len) = if h.sends {
+                (h.out[m].as_ptr() as *mut c_void, h.out[m].len())
+            } else {
+                (h.inb[m].as_mut_ptr().cast(), h.inb[m].len())
+            };
+            if h.mhs.len() == m {
+                match core::reg_mr(c, ptr, len, 1) {
+                    Ok(mh) => h.mhs.push(mh),
+                    Err(err) => {
+                        self.fail(h, format!("regMr: {err}"));
+                        return Ok(());
+                    }
+                }
+            }
+            let mh = h.mhs[m];
+            let posted = if h.sends {
+                host::isend_raw(c, ptr, len, m as i32, mh, std::ptr::null_mut())
+            } else {
+                let arg = [RecvArg {
+                    data: ptr,
+                    size: len,
+                    tag: m as i32,
+                    mhandle: mh,
+                    phandle: std::ptr::null_mut(),
+                }];
+                host::irecv_raw(c, &arg)
+            };
+            match posted {
+                Ok(Some(q)) => {
+                    h.reqs.push(q);
+                    h.done.push(false);
+                }
+                Ok(None) => break,
+                Err(err) => {
+                    self.fail(h, format!("post: {err}"));
+                    return Ok(());
+                }
+            }
+        }
+        for i in 0..h.reqs.len() {
+            if h.done[i] {
+                continue;
+            }
+            match core::test(h.reqs[i]) {
+                Ok(Some(_)) => h.done[i] = true,
+                Ok(None) => {}
+                Err(err) => {
+                    self.fail(h, format!("test: {err}"));
+                    return Ok(());
+                }
+            }
+        }
+        if h.reqs.len() == SIZES.len() && h.done.iter().all(|&d| d) {
+            h.end = Some(Ok(SIZES.iter().sum::<usize>() as u64));
+        }
+        Ok(())
+    }
+}
+
+/// One direction of an epoch.
+struct Half {
+    e: u64,
+    partner: u64,
+    sends: bool,
+    /// The partner's process (from its handle, or its pid file).
+    pid: Option<u32>,
+    handle: Option<[u8; HANDLE_SIZE]>,
+    comm: Option<*mut c_void>,
+    out: Vec<Vec<u8>>,
+    inb: Vec<Vec<u8>>,
+    mhs: Vec<*mut c_void>,
+    reqs: Vec<*mut c_void>,
+    done: Vec<bool>,
+    /// Bytes moved; `Err(None)`: the partner is gone; `Err(Some)`: a failure.
+    end: Option<Result<u64, Option<String>>>,
+}
+
+impl Half {
+    fn new(e: u64, partner: u64, sends: bool) -> Self {
+        Self {
+            e,
+            partner,
+            sends,
+            pid: None,
+            handle: None,
+            comm: None,
+            out: Vec::new(),
+            inb: Vec::new(),
+            mhs: Vec::new(),
+            reqs: Vec::new(),
+            done: Vec::new(),
+            end: None,
+        }
+    }
+    fn settled(&self) -> bool {
+        self.end.is_some()
+    }
+}
+
+fn rank(a: &[String]) -> Result<String, String> {
+    let (rank, n) = (num(a, 2)?, num(a, 3)?);
+    let dir = PathBuf::from(a.get(4).ok_or("DIR missing")?);
+    // The end, in seconds since 1970 (the same for a rank started again).
+    let end = num(a, 5)?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_err(|e| e.to_string())?
+        .as_secs();
+    write_atomic(
+        &dir.join(format!("{rank}.pid")),
+        &std::process::id().to_string(),
+    )?;
+    let ctx = core::init(core::InitArgs {
+        traffic_class: -1,
+        ..Default::default()
+    })
+    .map_err(|e| e.to_string())?;
+    let me = Rank {
+        rank,
+        n,
+        dir: dir.clone(),
+        ctx,
+        deadline: Instant::now() + Duration::from_secs(end.saturating_sub(now)),
+    };
+    let mut e = std::fs::read_to_string(dir.join(format!("{rank}.epoch")))
+        .ok()
+        .and_then(|t| t.trim().parse::<u64>().ok())
+        .map_or(0, |x| x + 1);
+    let (mut epochs, mut bytes, mut lost) = (0u64, 0u64, 0u64);
+    let (mut rss0, mut fds0) = (0, 0);
+    while Instant::now() < me.deadline {
+        match me.epoch(e)? {
+            Outcome::Done(b) => bytes += b,
+            Outcome::Gone => lost += 1,
+        }
+        write_atomic(&dir.join(format!("{rank}.epoch")), &e.to_string())?;
+        epochs += 1;
+        if epochs == 8 {
+            rss0 = weft_tests::status_kb("VmRSS");
+            fds0 = Rank::fds();
+        }
+        e += 1;
+    }
+    let (rss1, fds1) = (weft_tests::status_kb("VmRSS"), Rank::fds());
+    core::finalize(ctx).map_err(|e| e.to_string())?;
+    Ok(format!(
+        "ok {rank} epochs {epochs} msgs {} bytes {bytes} gone {lost} rss0 {rss0} rss1 {rss1} fds0 {fds0} fds1 {fds1}",
+        epochs.saturating_sub(lost) * 2 * SIZES.len() as u64
+    ))
+}
+
+fn garbage(a: &[String]) -> Result<String, String> {
+    let dir = PathBuf::from(a.get(2).ok_or("DIR missing")?);
+    let secs = num(a, 3)?;
+    let tagged = num(a, 4)? == 1;
+    let config = weft::config::load().map_err(|e| e.to_string())?;
+    let devs = weft::device::discover(&config).map_err(|e| e.to_string())?;
+    let dev = devs.first().ok_or("no device")?;
+    let domain = weft::fabric::Domain::open(dev.info_for(true)).map_err(|e| e.to_string())?;
+    let f = weft_tests::forge::Forger::open_on(domain);
+    let mut rng = Rng::new();
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let mut seen = std::collections::HashSet::new();
+    let mut sent = 0u64;
+    while Instant::now() < deadline {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        let mut fresh = Vec::new();
+        for ent in entries.flatten() {
+            let name = ent.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".handle") && seen.insert(name.clone()) {
+                fresh.push(ent.path());
+            }
+        }
+        for p in fresh {
+            let Some(h) = std::fs::read_to_string(&p)
+                .ok()
+                .and_then(|t| unhex(t.trim().split_once(' ')?.1).ok())
+                .and_then(|h: [u8; HANDLE_SIZE]| ListenHandle::decode(&h).ok())
+            else {
+                continue;
+            };
+            let to = f.peer(&h.addr);
+            for i in 0..8u64 {
+                let junk: Vec<u8> = (0..1 + rng.next() % 60).map(|_| rng.next() as u8).collect();
+                f.inject_while(to, &junk, || {});
+                let id = if i % 2 == 0 { h.id } else { rng.next() as u32 };
+                f.aim(id);
+                f.sign(rng.next() as u32);
+                let msg = match i % 4 {
+                    0 => Ctrl::Alive,
+                    1 => Ctrl::Bye {
+                        sent: rng.next() as u32,
+                    },
+                    2 => Ctrl::Credit { count: 64 },
+                    _ => Ctrl::Conn {
+                        listener: h.nonce,
+                        conn: rng.next(),
+                        id: rng.next() as u32,
+                        addr: f.name(),
+                    },
+                };
+                f.send_while(to, &msg, || {});
+                if tagged {
+                    let _ = f.tsend(to, 1000, rng.next(), || {});
+                }
+                sent += 2 + u64::from(tagged);
+            }
+        }
+        while f.try_recv().is_some() {}
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(format!("ok garbage sent {sent}"))
+}
+
+fn main() {
+    let a = args();
+    let r = match a.get(1).map(String::as_str) {
+        Some("rank") => rank(&a),
+        Some("garbage") => garbage(&a),
+        _ => Err("usage: weft-soak rank RANK NRANKS DIR END | garbage DIR SECONDS TAGGED".into()),
+    };
+    match r {
+        Ok(line) => println!("{line}"),
+        Err(e) => {
+            println!("error {e}");
+            std::process::exit(1);
+        }
+    }
+}
