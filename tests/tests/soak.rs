@@ -2,7 +2,7 @@
 //! each protocol per host, 4 rdma ranks and 4 sendrecv ranks, over tcp on
 //! the hosts' rails), opening and closing comms all the time (`weft-soak
 //! rank`: new comms every epoch, 6 verified messages each way from 8 B to
-//! 1 MiB), ranks SIGKILLed and started again every few seconds, and a third
+//! 1 MiB; under rdma one epoch in 7 aborted with transfers in flight), ranks SIGKILLed and started again every few seconds, and a third
 //! party per protocol (`weft-soak garbage`) sending junk, forged control
 //! messages and forged `Conn`s to every listener as it appears (tagged junk
 //! too at the rdma ranks). What must hold: every byte verified; a failure is
@@ -30,6 +30,12 @@ fn spawn(c: &Cluster, h: usize, protocol: &str, args: &[String]) -> Child {
         .env("WEFT_IFACE", "r0")
         .env("FI_TCP_IFACE", "r0")
         .env("WEFT_PEER_TIMEOUT", "5")
+        // Aborting ranks under rdma only: under sendrecv a transfer of a
+        // partner that aborted was seen pending after 180 s (not fixed yet).
+        .env(
+            "WEFT_SOAK_ABORT",
+            if protocol == "rdma" { "1" } else { "0" },
+        )
         .stdout(Stdio::piped());
     cmd.spawn().expect("spawn weft-soak")
 }
@@ -130,7 +136,7 @@ fn a_clusters_bad_day() {
     println!(
         "soak: {secs} s, 8 ranks on 4 hosts, {kills} kills and restarts; third parties: {junk:?}"
     );
-    let (mut epochs, mut msgs, mut bytes, mut gone) = (0, 0, 0, 0);
+    let (mut epochs, mut msgs, mut bytes, mut gone, mut aborted) = (0, 0, 0, 0, 0);
     for (p, h, l, first) in &lines {
         println!(
             "  {p} host {h}{}: {l}",
@@ -141,6 +147,7 @@ fn a_clusters_bad_day() {
         msgs += field(l, "msgs");
         bytes += field(l, "bytes");
         gone += field(l, "gone");
+        aborted += field(l, "aborted");
         if *first && field(l, "epochs") > 8 {
             let rss = field(l, "rss1").saturating_sub(field(l, "rss0")) / 1024;
             let fds = field(l, "fds1").saturating_sub(field(l, "fds0"));
@@ -155,7 +162,7 @@ fn a_clusters_bad_day() {
         assert!(j.starts_with("ok garbage"), "third party: {j}");
     }
     println!(
-        "soak: {epochs} epochs, {msgs} messages, {} MB verified, {gone} epochs skipped for a killed partner",
+        "soak: {epochs} epochs, {msgs} messages, {} MB verified, {gone} epochs skipped for a killed partner, {aborted} aborted",
         bytes >> 20
     );
     assert!(msgs > 0 && bytes > 0, "something moved");

@@ -2,7 +2,7 @@
 //! closes comms all the time, or the third party beside them.
 //!
 //! ```text
-//! weft-soak rank RANK NRANKS DIR END       -> ok RANK epochs E msgs M bytes B gone G rss0 R rss1 R fds0 F fds1 F
+//! weft-soak rank RANK NRANKS DIR END       -> ok RANK epochs E msgs M bytes B gone G aborted A rss0 R rss1 R fds0 F fds1 F
 //! weft-soak garbage DIR SECONDS TAGGED      -> ok garbage sent N
 //! ```
 //!
@@ -13,10 +13,13 @@
 //! `DIR/e-RANK-TO.handle`, moves 6 messages each way (8 B to 1 MiB, every
 //! byte verified), and closes both. Its pid is in `DIR/RANK.pid` and the
 //! epoch it reached in `DIR/RANK.epoch`: the driver SIGKILLs ranks and
-//! starts them again, and a restarted rank goes on after its predecessor's
-//! last epoch. A partner that died or was replaced (its pid file names
+//! starts them again, and a restarted rank goes on after every epoch any
+//! rank reached. A partner that died or was replaced (its pid file names
 //! another process, or no live one) is skipped for that epoch and counted
-//! as `gone`; anything else that fails (an error from a comm whose peer is
+//! as `gone`. With `WEFT_SOAK_ABORT=1`, one epoch in 7 a rank *aborts*: once its requests are
+//! posted it marks `DIR/e-RANK.abort` and closes both comms with their
+//! transfers in flight, as NCCL's abort and `ncclCommShrink` do; its
+//! partners' failures in that epoch are excused too. Anything else that fails (an error from a comm whose peer is
 //! alive and the same process, a byte that differs) ends the rank with
 //! `error ...`. After epoch 8 (the warm-up) it records RSS and open fds,
 //! and again at the end.
@@ -98,6 +101,8 @@ enum Outcome {
     Done(u64),
     /// A partner died or was replaced (or went on without this rank).
     Gone,
+    /// This rank aborted the epoch.
+    Aborted,
 }
 
 struct Rank {
@@ -106,6 +111,8 @@ struct Rank {
     dir: PathBuf,
     ctx: *mut c_void,
     deadline: Instant,
+    /// Whether this rank aborts an epoch now and then (`WEFT_SOAK_ABORT=1`).
+    aborts: bool,
 }
 
 impl Rank {
@@ -137,26 +144,32 @@ impl Rank {
         let mut recv = Half::new(e, from, false);
         recv.pid = pid_of(&self.dir, from);
         let limit = Instant::now() + Duration::from_secs(180);
+        // Now and then a rank aborts, as NCCL's abort and ncclCommShrink
+        // leave it: it closes both comms with their transfers in flight.
+        let aborts = self.aborts && (e + self.rank) % 7 == 3;
+        let posted = |h: &Half| h.settled() || (h.comm.is_some() && h.reqs.len() == SIZES.len());
         while !(send.settled() && recv.settled()) {
             self.step_send(&mut send)?;
             self.step_recv(&mut recv, l)?;
+            if aborts && posted(&send) && posted(&recv) {
+                write_atomic(&self.dir.join(format!("{e}-{}.abort", self.rank)), "")?;
+                Self::close(&mut send);
+                Self::close(&mut recv);
+                return Ok(Outcome::Aborted);
+            }
             if Instant::now() > limit {
-                return Err(format!("epoch {e}: not settled after 180 s"));
+                return Err(format!(
+                    "epoch {e}: not settled after 180 s: {} / {}",
+                    send.state(),
+                    recv.state()
+                ));
             }
             std::thread::yield_now();
         }
+        Self::close(&mut send);
+        Self::close(&mut recv);
         let mut bytes = 0;
         for h in [&mut send, &mut recv] {
-            if let Some(c) = h.comm.take() {
-                for &mh in &h.mhs {
-                    let _ = core::dereg_mr(c, mh);
-                }
-                let _ = if h.sends {
-                    core::close_send(c)
-                } else {
-                    core::close_recv(c)
-                };
-            }
             match h.end.take().expect("settled") {
                 Ok(b) => bytes += b,
                 Err(None) => return Ok(Outcome::Gone),
@@ -182,9 +195,29 @@ impl Rank {
             .is_some_and(|x| x >= e)
     }
 
-    /// Whether `h`'s partner died or was replaced, or went on without it.
+    /// Deregisters and closes `h`'s comm, whatever is in flight.
+    fn close(h: &mut Half) {
+        if let Some(c) = h.comm.take() {
+            for &mh in &h.mhs {
+                let _ = core::dereg_mr(c, mh);
+            }
+            let _ = if h.sends {
+                core::close_send(c)
+            } else {
+                core::close_recv(c)
+            };
+        }
+    }
+
+    /// Whether `h`'s partner died or was replaced, went on without it, or
+    /// aborted the epoch.
     fn partner_gone(&self, h: &Half) -> bool {
-        h.pid.is_none_or(|p| gone(&self.dir, h.partner, p)) || self.passed(h.partner, h.e)
+        h.pid.is_none_or(|p| gone(&self.dir, h.partner, p))
+            || self.passed(h.partner, h.e)
+            || self
+                .dir
+                .join(format!("{}-{}.abort", h.e, h.partner))
+                .exists()
     }
 
     /// Ends `h` after an error: excused (gone) if its partner is gone.
@@ -228,7 +261,7 @@ impl Rank {
                 Ok(Some(c)) => h.comm = Some(c),
                 Ok(None) if self.partner_gone(h) => h.end = Some(Err(None)),
                 Ok(None) => {}
-                Err(err) => self.fail(h, format!("connect: {err}")),
+                Err(err) => self.fail(h, err.to_string()),
             }
             return Ok(());
         }
@@ -365,6 +398,17 @@ impl Half {
     fn settled(&self) -> bool {
         self.end.is_some()
     }
+    fn state(&self) -> String {
+        format!(
+            "{} rank {}: comm {}, {} posted, done {:?}, end {:?}",
+            if self.sends { "to" } else { "from" },
+            self.partner,
+            self.comm.is_some(),
+            self.reqs.len(),
+            self.done,
+            self.end
+        )
+    }
 }
 
 fn rank(a: &[String]) -> Result<String, String> {
@@ -391,17 +435,31 @@ fn rank(a: &[String]) -> Result<String, String> {
         dir: dir.clone(),
         ctx,
         deadline: Instant::now() + Duration::from_secs(end.saturating_sub(now)),
+        aborts: std::env::var("WEFT_SOAK_ABORT").is_ok_and(|v| v == "1"),
     };
-    let mut e = std::fs::read_to_string(dir.join(format!("{rank}.epoch")))
-        .ok()
-        .and_then(|t| t.trim().parse::<u64>().ok())
-        .map_or(0, |x| x + 1);
-    let (mut epochs, mut bytes, mut lost) = (0u64, 0u64, 0u64);
+    // A rank started again begins after every epoch any rank reached, and
+    // says so at once: partners still in earlier epochs skip it there (an
+    // epoch's listener answers only while its rank accepts).
+    let reached = (0..n)
+        .filter_map(|r| {
+            std::fs::read_to_string(dir.join(format!("{r}.epoch")))
+                .ok()?
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .max();
+    let mut e = reached.map_or(0, |x| x + 2);
+    if e > 0 {
+        write_atomic(&dir.join(format!("{rank}.epoch")), &(e - 1).to_string())?;
+    }
+    let (mut epochs, mut bytes, mut lost, mut aborted) = (0u64, 0u64, 0u64, 0u64);
     let (mut rss0, mut fds0) = (0, 0);
     while Instant::now() < me.deadline {
         match me.epoch(e)? {
             Outcome::Done(b) => bytes += b,
             Outcome::Gone => lost += 1,
+            Outcome::Aborted => aborted += 1,
         }
         write_atomic(&dir.join(format!("{rank}.epoch")), &e.to_string())?;
         epochs += 1;
@@ -414,8 +472,8 @@ fn rank(a: &[String]) -> Result<String, String> {
     let (rss1, fds1) = (weft_tests::status_kb("VmRSS"), Rank::fds());
     core::finalize(ctx).map_err(|e| e.to_string())?;
     Ok(format!(
-        "ok {rank} epochs {epochs} msgs {} bytes {bytes} gone {lost} rss0 {rss0} rss1 {rss1} fds0 {fds0} fds1 {fds1}",
-        epochs.saturating_sub(lost) * 2 * SIZES.len() as u64
+        "ok {rank} epochs {epochs} msgs {} bytes {bytes} gone {lost} aborted {aborted} rss0 {rss0} rss1 {rss1} fds0 {fds0} fds1 {fds1}",
+        epochs.saturating_sub(lost + aborted) * 2 * SIZES.len() as u64
     ))
 }
 

@@ -554,7 +554,9 @@ fn a_control_flood_costs_no_memory(provider: &str) {
     // tcp, +46 MB after 800 000).
     // shm takes a message per receiver poll: fewer keep the test short.
     let n = if provider == "shm" { 50_000 } else { 200_000 };
-    flood(20_000);
+    // libfabric 2.1's shm once grew by 16 MB after a warm-up of 20 000
+    // (1 run in 5; the others +0 MB): its pools grow later there.
+    flood(if provider == "shm" { n } else { 20_000 });
     let rss0 = weft_tests::status_kb("VmRSS");
     flood(n);
     send_verified(s, r, 1, 100);
@@ -792,13 +794,14 @@ fn sends_the_receiver_took_succeed_after_its_bye(provider: &str) {
 each!(sends_the_receiver_took_succeed_after_its_bye: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
 
 /// A peer sends a control message larger than the hub's control buffers
-/// (400 bytes), then says `Alive` every 50 ms. tcp;ofi_rxm reports the
-/// truncation and then delivers nothing more from that connection
-/// (libfabric #8274's class): the comm hears only silence and is declared
-/// dead within `WEFT_PEER_TIMEOUT` (3 s here), with the message dropped
-/// and logged. shm takes the message without a word (no truncation is
-/// reported) and the comm goes on: the peer's data still lands. Either way a second pair on the same device keeps moving
-/// verified data.
+/// (400 bytes), then the data the comm's receive waits for. Either the
+/// connection goes on and the data lands (shm, which takes the message cut
+/// short without a word; libfabric 2.1's rxm), or the provider delivers
+/// nothing more from that connection (libfabric 1.17's rxm after reporting
+/// the truncation, #8274's class) and the comm, hearing only silence, is
+/// declared dead within `WEFT_PEER_TIMEOUT` (3 s here), with the message
+/// dropped and logged. Never a hang; and a second pair on the same device
+/// keeps moving verified data.
 fn an_oversized_control_message_wedges_only_its_sender(provider: &str) {
     std::env::set_var("WEFT_PEER_TIMEOUT", "3");
     let ctx = init_logged(provider);
@@ -821,43 +824,47 @@ fn an_oversized_control_message_wedges_only_its_sender(provider: &str) {
         assert!(core::test(q).unwrap().is_none());
     })
     .expect("the oversized message leaves");
-    if provider == "shm" {
-        if let Some((slot, buf)) = offer {
-            let imm = immediate(linked.id, slot << 3, Some(1000), buf.ticket);
-            f.write(linked.to, 1000, buf.addr, buf.key, imm, || {})
-                .expect("the write after the oversized message");
-        } else {
-            f.tsend(linked.to, 1000, data_tag(linked.id, 1), || {})
-                .expect("the send after the oversized message");
+    let mut outcome = None;
+    let mut watch = || {
+        if outcome.is_none() {
+            outcome = core::test(q).transpose();
         }
-        let d = poll_until("the receive to complete", || core::test(q).unwrap());
-        assert_eq!(d.sizes[0], 1000, "{provider}");
-        assert!(
-            dst.iter().all(|&b| b == 0xEE),
-            "{provider}: the peer's data"
-        );
-    } else {
-        poll_until("the truncated control message to be logged", || {
-            assert!(core::test(q).unwrap().is_none());
-            (weft_tests::capture::lines()
+    };
+    // The data; where the connection is wedged it never completes (the
+    // forger gives up after 10 s): what counts is what the comm makes of it.
+    let _ = match offer {
+        Some((slot, buf)) => {
+            let imm = immediate(linked.id, slot << 3, Some(1000), buf.ticket);
+            f.write(linked.to, 1000, buf.addr, buf.key, imm, &mut watch)
+        }
+        None => f.tsend(linked.to, 1000, data_tag(linked.id, 1), &mut watch),
+    };
+    let outcome = match outcome {
+        Some(o) => o,
+        None => poll_until("the receive to end", || core::test(q).transpose()),
+    };
+    match outcome {
+        Ok(d) => {
+            println!("{provider}: the connection went on after the oversized message");
+            assert_eq!(d.sizes[0], 1000, "{provider}");
+            assert!(
+                dst.iter().all(|&b| b == 0xEE),
+                "{provider}: the peer's data"
+            );
+        }
+        Err(e) => {
+            let took = sent.elapsed();
+            println!("{provider}: a wedged peer declared dead after {took:?}: {e}");
+            assert!(e.msg.contains("declared dead"), "{provider}: {e}");
+            assert!(
+                took < std::time::Duration::from_secs(6),
+                "{provider}: declared dead after {took:?}, WEFT_PEER_TIMEOUT = 3 s"
+            );
+            let logged = weft_tests::capture::lines()
                 .iter()
-                .any(|l| l.text.contains("dropped a bad control message")))
-            .then_some(())
-        });
-        let e = poll_until("the wedged peer to be declared dead", || {
-            f.send_while(linked.to, &Ctrl::Alive, || {});
-            send_verified(s, r, 3, 100);
-            core::test(q)
-                .transpose()
-                .map(|r| r.expect_err("nothing was sent"))
-        });
-        let took = sent.elapsed();
-        println!("{provider}: a wedged peer declared dead after {took:?}: {e}");
-        assert!(e.msg.contains("declared dead"), "{provider}: {e}");
-        assert!(
-            took < std::time::Duration::from_secs(6),
-            "{provider}: declared dead after {took:?}, WEFT_PEER_TIMEOUT = 3 s"
-        );
+                .any(|l| l.text.contains("dropped a bad control message"));
+            assert!(logged, "{provider}: the truncated message is logged");
+        }
     }
     send_verified(s, r, 4, 5000);
     core::dereg_mr(victim, mh).unwrap();
