@@ -239,35 +239,26 @@ impl Forger {
         addr: u64,
         key: u64,
         imm: u64,
-        mut progress: impl FnMut(),
+        progress: impl FnMut(),
     ) -> Result<(), String> {
         assert!(len <= WRITE_MAX);
         let ctx = 0x77usize as *mut libc::c_void;
-        crate::poll_until("the forger's write to be taken", || {
-            // SAFETY: the source is `len` registered bytes owned by the
-            // forger, which outlives the endpoint; the remote range is
-            // whatever the test names (that is the point).
-            match unsafe {
-                self.ep.writedata(
-                    self.src.as_ptr(),
-                    len,
-                    self.src_mr.desc(),
-                    imm,
-                    to,
-                    addr,
-                    key,
-                    ctx,
-                )
-            } {
-                Ok(()) => Some(()),
-                Err(e) if e.is_again() => {
-                    progress();
-                    None
-                }
-                Err(e) => panic!("forger write: {e}"),
-            }
-        });
-        self.wait_for(ctx, "the write", progress)
+        // SAFETY: the source is `len` registered bytes owned by the forger,
+        // which outlives the endpoint; the remote range is whatever the test
+        // names (that is the point).
+        let post = || unsafe {
+            self.ep.writedata(
+                self.src.as_ptr(),
+                len,
+                self.src_mr.desc(),
+                imm,
+                to,
+                addr,
+                key,
+                ctx,
+            )
+        };
+        self.post_and_wait("the write", ctx, post, progress)
     }
 
     /// Sends `len` bytes of 0xEE as a *tagged* message with `tag` to `to`
@@ -278,26 +269,17 @@ impl Forger {
         to: FiAddr,
         len: usize,
         tag: u64,
-        mut progress: impl FnMut(),
+        progress: impl FnMut(),
     ) -> Result<(), String> {
         assert!(len <= WRITE_MAX);
         let ctx = 0x78usize as *mut libc::c_void;
-        crate::poll_until("the forger's tagged send to be taken", || {
-            // SAFETY: the source is `len` registered bytes owned by the
-            // forger, which outlives the endpoint.
-            match unsafe {
-                self.ep
-                    .tsend(self.src.as_ptr(), len, self.src_mr.desc(), to, tag, ctx)
-            } {
-                Ok(()) => Some(()),
-                Err(e) if e.is_again() => {
-                    progress();
-                    None
-                }
-                Err(e) => panic!("forger tagged send: {e}"),
-            }
-        });
-        self.wait_for(ctx, "the tagged send", progress)
+        // SAFETY: the source is `len` registered bytes owned by the forger,
+        // which outlives the endpoint.
+        let post = || unsafe {
+            self.ep
+                .tsend(self.src.as_ptr(), len, self.src_mr.desc(), to, tag, ctx)
+        };
+        self.post_and_wait("the tagged send", ctx, post, progress)
     }
 
     /// Sends `bytes` as they are (an untagged message of any size, e.g. a
@@ -307,29 +289,41 @@ impl Forger {
         &mut self,
         to: FiAddr,
         bytes: &[u8],
-        mut progress: impl FnMut(),
+        progress: impl FnMut(),
     ) -> Result<(), String> {
         assert!(bytes.len() <= WRITE_MAX);
         self.src[..bytes.len()].copy_from_slice(bytes);
         let ctx = 0x79usize as *mut libc::c_void;
-        crate::poll_until("the forger's send to be taken", || {
-            // SAFETY: the source is registered bytes owned by the forger,
-            // which outlives the endpoint, unchanged until the completion.
-            match unsafe {
-                self.ep
-                    .send(self.src.as_ptr(), bytes.len(), self.src_mr.desc(), to, ctx)
-            } {
-                Ok(()) => Some(()),
-                Err(e) if e.is_again() => {
-                    progress();
-                    None
-                }
-                Err(e) => panic!("forger send: {e}"),
-            }
-        });
-        let out = self.wait_for(ctx, "the send", progress);
+        // SAFETY: the source is registered bytes owned by the forger, which
+        // outlives the endpoint, unchanged until the completion.
+        let post = || unsafe {
+            self.ep
+                .send(self.src.as_ptr(), bytes.len(), self.src_mr.desc(), to, ctx)
+        };
+        let out = self.post_and_wait("the send", ctx, post, progress);
         self.src[..bytes.len()].fill(0xEE);
         out
+    }
+
+    /// Posts an operation with `post` until the provider takes it, then
+    /// waits for its outcome ([`Forger::wait_for`]), calling `progress`
+    /// between tries.
+    fn post_and_wait(
+        &self,
+        what: &str,
+        ctx: *mut libc::c_void,
+        mut post: impl FnMut() -> Result<(), weft::fabric::FiError>,
+        mut progress: impl FnMut(),
+    ) -> Result<(), String> {
+        crate::poll_until(what, || match post() {
+            Ok(()) => Some(()),
+            Err(e) if e.is_again() => {
+                progress();
+                None
+            }
+            Err(e) => panic!("forger, {what}: {e}"),
+        });
+        self.wait_for(ctx, what, progress)
     }
 
     /// Reads the forger's CQ until the operation posted with `ctx` ends

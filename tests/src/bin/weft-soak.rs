@@ -212,26 +212,37 @@ impl Rank {
     /// Whether `h`'s partner died or was replaced, went on without it, or
     /// aborted the epoch.
     fn partner_gone(&self, h: &Half) -> bool {
+        let marked = |name: String| self.dir.join(name).exists();
         h.pid.is_none_or(|p| gone(&self.dir, h.partner, p))
             || self.passed(h.partner, h.e)
-            || self
+            || marked(format!("{}-{}.abort", h.e, h.partner))
+            || marked(format!("{}-{}-{}.skip", h.e, h.partner, self.rank))
+    }
+
+    /// Settles `h` as gone, and says so: a partner that comes after all
+    /// (a restarted rank) finds the epoch given up instead of a listener
+    /// nobody accepts on.
+    fn give_up(&self, h: &mut Half) {
+        let _ = write_atomic(
+            &self
                 .dir
-                .join(format!("{}-{}.abort", h.e, h.partner))
-                .exists()
+                .join(format!("{}-{}-{}.skip", h.e, self.rank, h.partner)),
+            "",
+        );
+        h.end = Some(Err(None));
     }
 
     /// Ends `h` after an error: excused (gone) if its partner is gone.
     fn fail(&self, h: &mut Half, why: String) {
-        h.end = Some(if self.partner_gone(h) {
-            Err(None)
-        } else {
-            Err(Some(format!(
-                "epoch {} ({} rank {}), both alive: {why}",
-                h.e,
-                if h.sends { "to" } else { "from" },
-                h.partner
-            )))
-        });
+        if self.partner_gone(h) {
+            return self.give_up(h);
+        }
+        h.end = Some(Err(Some(format!(
+            "epoch {} ({} rank {}), both alive: {why}",
+            h.e,
+            if h.sends { "to" } else { "from" },
+            h.partner
+        ))));
     }
 
     fn step_send(&self, h: &mut Half) -> Result<(), String> {
@@ -250,7 +261,7 @@ impl Rank {
                 if pid_of(&self.dir, h.partner).is_none_or(|p| !alive(p))
                     || self.passed(h.partner, h.e)
                 {
-                    h.end = Some(Err(None));
+                    self.give_up(h);
                 }
                 return Ok(());
             }
@@ -259,7 +270,7 @@ impl Rank {
             let handle = h.handle.as_mut().expect("read above");
             match core::connect(self.ctx, 0, None, handle) {
                 Ok(Some(c)) => h.comm = Some(c),
-                Ok(None) if self.partner_gone(h) => h.end = Some(Err(None)),
+                Ok(None) if self.partner_gone(h) => self.give_up(h),
                 Ok(None) => {}
                 Err(err) => self.fail(h, err.to_string()),
             }
@@ -275,7 +286,7 @@ impl Rank {
         if h.comm.is_none() {
             match core::accept(l) {
                 Ok(Some(c)) => h.comm = Some(c),
-                Ok(None) if self.partner_gone(h) => h.end = Some(Err(None)),
+                Ok(None) if self.partner_gone(h) => self.give_up(h),
                 Ok(None) => {}
                 Err(err) => self.fail(h, format!("accept: {err}")),
             }
