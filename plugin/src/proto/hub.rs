@@ -213,13 +213,19 @@ pub const NO_SIZE: u32 = u32::MAX;
 struct PortState {
     // Field order is drop order: the endpoint closes before its buffers go.
     ep: Endpoint,
-    ctrl: Mutex<CtrlBufs>,
-    /// Tagged messages dropped on arrival ([`Posts::Sink`]).
-    sink: Mutex<Option<CtrlBufs>>,
+    /// The port's posted buffers: one lock, taken once per CQ read.
+    bufs: Mutex<PortBufs>,
     poll: Mutex<()>,
     name: Vec<u8>,
     /// When this port's CQ was last read (ns since the hub opened).
     polled: AtomicU64,
+}
+
+/// Buffers a port keeps posted.
+struct PortBufs {
+    ctrl: CtrlBufs,
+    /// Tagged messages dropped on arrival ([`Posts::Sink`]).
+    sink: Option<CtrlBufs>,
 }
 
 /// A port nobody read for this long is read by whoever progresses the
@@ -288,8 +294,7 @@ impl Hub {
             let name = ep.name()?;
             Ok(PortState {
                 ep,
-                ctrl: Mutex::new(ctrl),
-                sink: Mutex::new(sink),
+                bufs: Mutex::new(PortBufs { ctrl, sink }),
                 poll: Mutex::new(()),
                 name,
                 polled: AtomicU64::new(0),
@@ -416,10 +421,10 @@ impl Hub {
         let Ok(_poller) = p.poll.try_lock() else {
             return Ok(());
         };
-        let mut ctrl = lock(&p.ctrl);
+        let mut bufs = lock(&p.bufs);
+        let PortBufs { ctrl, sink } = &mut *bufs;
         ctrl.repost_waiting(&p.ep)?;
-        let mut sink = lock(&p.sink);
-        if let Some(s) = &mut *sink {
+        if let Some(s) = sink {
             s.repost_waiting(&p.ep)?;
         }
         let boxes = self.boxes.read().unwrap_or_else(|e| e.into_inner());
@@ -464,7 +469,7 @@ impl Hub {
                 return s.repost(&p.ep, i);
             }
             match ev {
-                Event::Done(c, src) => on_done(c, src, wide, &mut ctrl, &p.ep, deliver),
+                Event::Done(c, src) => on_done(c, src, wide, ctrl, &p.ep, deliver),
                 Event::Failed(e) => {
                     if let Some(i) = ctrl.find(e.context) {
                         tracing::warn!("hub: dropped a bad control message: {e}");
