@@ -4,6 +4,8 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #define WEFT_CAP_LINES 256
 #define WEFT_CAP_TEXT 1024
@@ -62,4 +64,23 @@ int weft_test_capture_get(int i, int *level, unsigned long *flags, int *line, ch
   }
   pthread_mutex_unlock(&lock);
   return rc;
+}
+
+/* A stand-in for NCCL's logger that writes each line to stderr at once, with
+ * the time and the pid, as NCCL's does: for processes whose log a test keeps
+ * in a file (the soak's ranks). */
+void weft_test_stderr_logger(int level, unsigned long flags, const char *file, int line,
+                             const char *fmt, ...) {
+  (void)flags;
+  (void)file;
+  (void)line;
+  char text[WEFT_CAP_TEXT];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(text, sizeof text, fmt, ap);
+  va_end(ap);
+  struct timespec t;
+  clock_gettime(CLOCK_REALTIME, &t);
+  fprintf(stderr, "%ld.%03ld [%d] %s %s\n", (long)t.tv_sec, t.tv_nsec / 1000000L, (int)getpid(),
+          level == 2 ? "WARN" : level == 3 ? "INFO" : "TRACE", text);
 }

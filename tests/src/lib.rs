@@ -162,6 +162,17 @@ pub mod capture {
             fmt: *const c_char,
             ...
         );
+        /// Writes each line to stderr at once, with the time and the pid
+        /// (for processes whose log a test keeps in a file); a
+        /// `weft::log::NcclDebugLogger`.
+        pub fn weft_test_stderr_logger(
+            level: c_int,
+            flags: c_ulong,
+            file: *const c_char,
+            line: c_int,
+            fmt: *const c_char,
+            ...
+        );
         fn weft_test_capture_count() -> c_int;
         fn weft_test_capture_get(
             i: c_int,

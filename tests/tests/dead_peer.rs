@@ -406,3 +406,57 @@ fn shm_close_in_flight_two_processes_sendrecv() {
     std::env::set_var("WEFT_PROTOCOL", "sendrecv");
     close_in_flight("shm");
 }
+
+/// A listener whose rank is busy elsewhere is alive: a rank that calls
+/// neither `accept` nor anything else for three peer timeouts still answers
+/// a connect (the keeper thread answers Conns), the comm it confirmed stays
+/// alive until `accept` hands it out, and then data moves.
+fn busy_listener_still_answers(provider: &str, protocol: &str) {
+    const T: u64 = 1;
+    std::env::set_var("WEFT_PEER_TIMEOUT", T.to_string());
+    std::env::set_var("WEFT_PROTOCOL", protocol);
+    let ctx = host::init(provider);
+    let (mut h, l) = host::listen(ctx);
+    let start = Instant::now();
+    let mut s = None;
+    // Not a synchronisation: the listening side stays away this long.
+    while start.elapsed() < Duration::from_secs(3 * T) {
+        if s.is_none() {
+            match core::connect(ctx, 0, None, &mut h) {
+                Ok(c) => s = c,
+                Err(e) => panic!(
+                    "{provider} {protocol}: connect failed after {:.1} s while the listener's rank was alive but not accepting: {e}",
+                    start.elapsed().as_secs_f64()
+                ),
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let s = s.unwrap_or_else(|| {
+        panic!("{provider} {protocol}: no connection after {T}x3 s without accept")
+    });
+    let r = host::accept(l);
+    host::send_verified(s, r, 5, 100_000);
+    host::close_pair(s, r);
+    core::close_listen(l).unwrap();
+}
+
+#[test]
+fn tcp_busy_listener_still_answers() {
+    busy_listener_still_answers("tcp", "rdma");
+}
+
+#[test]
+fn tcp_busy_listener_still_answers_sendrecv() {
+    busy_listener_still_answers("tcp", "sendrecv");
+}
+
+#[test]
+fn shm_busy_listener_still_answers() {
+    busy_listener_still_answers("shm", "rdma");
+}
+
+#[test]
+fn shm_busy_listener_still_answers_sendrecv() {
+    busy_listener_still_answers("shm", "sendrecv");
+}

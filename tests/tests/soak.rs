@@ -13,6 +13,7 @@
 //! Run by `./weft soak [SECONDS]` (600 s by default; `WEFT_SOAK_SECS`), not
 //! by `./weft test`: see the README for why.
 
+use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
@@ -22,7 +23,15 @@ const SOAK: &str = env!("CARGO_BIN_EXE_weft-soak");
 const PROTOCOLS: [&str; 2] = ["rdma", "sendrecv"];
 const HOSTS: usize = 4;
 
-fn spawn(c: &Cluster, h: usize, protocol: &str, args: &[String]) -> Child {
+/// The last `n` lines of the log at `path`.
+fn tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Starts a soak process on host `h`; Weft's log (stderr) goes to `log`.
+fn spawn(c: &Cluster, h: usize, protocol: &str, args: &[String], log: &Path) -> Child {
     let mut cmd = c.command(h, SOAK);
     cmd.args(args)
         .env("WEFT_PROTOCOL", protocol)
@@ -36,7 +45,9 @@ fn spawn(c: &Cluster, h: usize, protocol: &str, args: &[String]) -> Child {
             "WEFT_SOAK_ABORT",
             if protocol == "rdma" { "1" } else { "0" },
         )
-        .stdout(Stdio::piped());
+        .env("NCCL_DEBUG", "WARN")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(log).expect("a log file"));
     cmd.spawn().expect("spawn weft-soak")
 }
 
@@ -76,16 +87,25 @@ fn a_clusters_bad_day() {
             end.to_string(),
         ]
     };
-    // ranks[g][h]: the rank of protocol g on host h, and whether it is the
-    // first of its line (never killed).
-    let mut ranks: Vec<Vec<Option<(Child, bool)>>> = Vec::new();
+    // Weft's log of every process, one file each, kept when the soak fails.
+    let logs = root.join("logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let mut started = 0usize;
+    let mut log = |what: &str| {
+        started += 1;
+        logs.join(format!("{started:03}-{what}.log"))
+    };
+    // ranks[g][h]: the rank of protocol g on host h, whether it is the
+    // first of its line (never killed), and its log.
+    let mut ranks: Vec<Vec<Option<(Child, bool, PathBuf)>>> = Vec::new();
     for p in PROTOCOLS {
         std::fs::create_dir_all(root.join(p)).unwrap();
-        ranks.push(
-            (0..HOSTS)
-                .map(|h| Some((spawn(&c, h, p, &rank_args(p, h)), true)))
-                .collect(),
-        );
+        let mut row = Vec::new();
+        for h in 0..HOSTS {
+            let l = log(&format!("{p}-{h}"));
+            row.push(Some((spawn(&c, h, p, &rank_args(p, h), &l), true, l)));
+        }
+        ranks.push(row);
     }
     let garbage: Vec<Child> = PROTOCOLS
         .iter()
@@ -94,7 +114,7 @@ fn a_clusters_bad_day() {
             let dir = root.join(p).to_string_lossy().into_owned();
             let tagged = if *p == "rdma" { "1" } else { "0" };
             let args = ["garbage".into(), dir, secs.to_string(), tagged.into()];
-            spawn(&c, (g + 1) % HOSTS, p, &args)
+            spawn(&c, (g + 1) % HOSTS, p, &args, &log(&format!("garbage-{p}")))
         })
         .collect();
     // Kill a rank every few seconds (never the two of host 0, whose RSS and
@@ -108,24 +128,26 @@ fn a_clusters_bad_day() {
         let g = victim % 2;
         let h = 1 + (victim / 2) % (HOSTS - 1);
         victim += 1;
-        let (mut child, _) = ranks[g][h].take().expect("a rank");
+        let (mut child, _, l) = ranks[g][h].take().expect("a rank");
         let _ = child.kill();
         let out = child.wait_with_output().expect("the killed rank");
-        if let Some(l) = String::from_utf8_lossy(&out.stdout).lines().next() {
+        if let Some(line) = String::from_utf8_lossy(&out.stdout).lines().next() {
             // It finished before the kill.
-            lines.push((PROTOCOLS[g], h, l.to_owned(), false));
+            lines.push((PROTOCOLS[g], h, line.to_owned(), false, l));
         }
+        let l = log(&format!("{}-{h}", PROTOCOLS[g]));
         ranks[g][h] = Some((
-            spawn(&c, h, PROTOCOLS[g], &rank_args(PROTOCOLS[g], h)),
+            spawn(&c, h, PROTOCOLS[g], &rank_args(PROTOCOLS[g], h), &l),
             false,
+            l,
         ));
         kills += 1;
     }
     for (g, row) in ranks.into_iter().enumerate() {
-        for (h, (child, first)) in row.into_iter().flatten().enumerate() {
+        for (h, (child, first, l)) in row.into_iter().flatten().enumerate() {
             let out = child.wait_with_output().expect("a rank");
-            let l = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-            lines.push((PROTOCOLS[g], h, l, first));
+            let line = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+            lines.push((PROTOCOLS[g], h, line, first, l));
         }
     }
     let mut junk = Vec::new();
@@ -133,17 +155,21 @@ fn a_clusters_bad_day() {
         let out = g.wait_with_output().expect("the third party");
         junk.push(String::from_utf8_lossy(&out.stdout).trim().to_owned());
     }
-    let _ = std::fs::remove_dir_all(&root);
     println!(
         "soak: {secs} s, 8 ranks on 4 hosts, {kills} kills and restarts; third parties: {junk:?}"
     );
     let (mut epochs, mut msgs, mut bytes, mut gone, mut aborted) = (0, 0, 0, 0, 0);
-    for (p, h, l, first) in &lines {
+    for (p, h, l, first, log) in &lines {
         println!(
             "  {p} host {h}{}: {l}",
             if *first { " (never killed)" } else { "" }
         );
-        assert!(l.starts_with("ok"), "{p} rank on host {h}: {l}");
+        assert!(
+            l.starts_with("ok"),
+            "{p} rank on host {h}: {l}\nthe end of its log ({}):\n{}",
+            log.display(),
+            tail(log, 40)
+        );
         epochs += field(l, "epochs");
         msgs += field(l, "msgs");
         bytes += field(l, "bytes");
@@ -167,4 +193,5 @@ fn a_clusters_bad_day() {
         bytes >> 20
     );
     assert!(msgs > 0 && bytes > 0, "something moved");
+    let _ = std::fs::remove_dir_all(&root);
 }

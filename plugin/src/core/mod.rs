@@ -184,6 +184,10 @@ fn keep_alive(now: Instant, pulse: &keeper::Pulse) {
         r.comm.keepalive(now);
         pulse.beat();
     }
+    for l in REG.listen.values() {
+        l.comm.tend(now);
+        pulse.beat();
+    }
     // Transfers of comms already closed, and graves, move only when their
     // hub's CQs are read.
     crate::proto::hub::tend_all();

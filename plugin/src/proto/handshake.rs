@@ -88,6 +88,11 @@ impl<T, A> Handshakes<T, A> {
         self.pending.iter().any(|p| p.conn == conn) || self.accepted.contains(&conn)
     }
 
+    /// Whether no handshake is pending.
+    pub(crate) fn idle(&self) -> bool {
+        self.pending.is_empty()
+    }
+
     /// Whether a new handshake can be taken: there is room, or one whose
     /// Ack has not gone out can make room.
     pub(crate) fn has_room(&self) -> bool {

@@ -215,6 +215,11 @@ pub trait Protocol: Send + Sync + std::fmt::Debug {
 pub trait Listener: Send + Sync + std::fmt::Debug {
     /// One accept step: a receive comm once a peer connected. Never blocks.
     fn accept(&self) -> Result<Option<Arc<dyn Receiver>>>;
+    /// One keeper tick: answers connection requests and moves handshakes on
+    /// while NCCL is not calling `accept` (a rank busy elsewhere), so a live
+    /// listener's peer is never told "no answer"; what it confirms waits
+    /// for `accept`. Never waits for a busy listener.
+    fn tend(&self, now: Instant);
 }
 
 /// What send and receive comms have in common.

@@ -976,6 +976,18 @@ impl Listener for StripedListen {
         let rails: Vec<_> = st.got.iter_mut().map(|c| c.take().expect("all")).collect();
         Ok(Some(Arc::new(StripedRecv::new(rails, self.stripe)?)))
     }
+
+    fn tend(&self, now: Instant) {
+        for l in &self.rails {
+            l.tend(now);
+        }
+        // Rails accepted before the others say Alive like the rest.
+        if let Some(st) = try_lock(&self.st) {
+            for c in st.got.iter().flatten() {
+                c.keepalive(now);
+            }
+        }
+    }
 }
 
 #[cfg(test)]

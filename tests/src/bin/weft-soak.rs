@@ -178,8 +178,12 @@ impl Rank {
         }
         if !recv.inb.is_empty() {
             for (m, buf) in recv.inb.iter().enumerate() {
-                if *buf != pattern(e * 16 + m as u64, from as i32, buf.len()) {
-                    return Err(format!("epoch {e}: message {m} from rank {from} differs"));
+                let want = pattern(e * 16 + m as u64, from as i32, buf.len());
+                if *buf != want {
+                    return Err(format!(
+                        "epoch {e}: message {m} from rank {from} differs: {}",
+                        differs(buf, &want, from)
+                    ));
                 }
             }
         }
@@ -422,6 +426,26 @@ impl Half {
     }
 }
 
+/// What a received message holds instead of `want`: where it first differs,
+/// how many bytes do, and whether it is another message's pattern from
+/// `from` (an earlier epoch's, or another size's) or zeros.
+fn differs(got: &[u8], want: &[u8], from: u64) -> String {
+    let first = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
+    let n = got.iter().zip(want).filter(|(a, b)| a != b).count();
+    let zeros = got[first..].iter().take_while(|&&b| b == 0).count();
+    // pattern() depends on the sequence only through seq * 7 + tag (mod 256).
+    let shift = got[first].wrapping_sub(want[first]);
+    let same_shift = got[first..]
+        .iter()
+        .zip(&want[first..])
+        .take_while(|(a, b)| a.wrapping_sub(**b) == shift)
+        .count();
+    format!(
+        "{n} of {} bytes from byte {first}; {zeros} zeros there; the next {same_shift} bytes are the pattern shifted by {shift} (seq*7+tag off by that mod 256; from {from})",
+        got.len()
+    )
+}
+
 fn rank(a: &[String]) -> Result<String, String> {
     let (rank, n) = (num(a, 2)?, num(a, 3)?);
     let dir = PathBuf::from(a.get(4).ok_or("DIR missing")?);
@@ -437,6 +461,8 @@ fn rank(a: &[String]) -> Result<String, String> {
     )?;
     let ctx = core::init(core::InitArgs {
         traffic_class: -1,
+        // Weft's log to stderr, which the soak keeps in a file per rank.
+        logger: Some(weft_tests::capture::weft_test_stderr_logger),
         ..Default::default()
     })
     .map_err(|e| e.to_string())?;

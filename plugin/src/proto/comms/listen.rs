@@ -1,5 +1,6 @@
 //! The accepting side: a listener is an id on the passive endpoint.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -14,7 +15,18 @@ pub struct ListenComm {
     path: Path,
     seat: Seat,
     nonce: u64,
-    book: Mutex<Handshakes<Arc<RecvComm>, Ctrl>>,
+    book: Mutex<Book>,
+}
+
+/// The listener's state: handshakes in progress, and what they came to
+/// before NCCL's `accept` asked (the keeper moves them on meanwhile).
+#[derive(Default)]
+struct Book {
+    shakes: Handshakes<Arc<RecvComm>, Ctrl>,
+    /// Confirmed comms, oldest first, for `accept` to hand out.
+    ready: VecDeque<Arc<RecvComm>>,
+    /// Why the last handshake failed when nothing else was pending.
+    failed: Option<String>,
 }
 
 impl std::fmt::Debug for ListenComm {
@@ -49,7 +61,7 @@ impl ListenComm {
                 path,
                 seat,
                 nonce: handle.nonce,
-                book: Mutex::new(Handshakes::default()),
+                book: Mutex::new(Book::default()),
             },
             handle,
         ))
@@ -155,19 +167,58 @@ impl ListenComm {
     }
 }
 
-impl Listener for ListenComm {
-    fn accept(&self) -> Result<Option<Arc<dyn Receiver>>> {
-        let mut book = lock(&self.book);
+impl ListenComm {
+    /// Reads what arrived, answers Conns and steps every handshake; what is
+    /// confirmed or failed is kept in `book` for `accept`.
+    fn turn(&self, book: &mut Book) -> Result<()> {
         for ev in self.seat.poll()? {
             match ev {
-                Ev::Ctrl { token, bytes, .. } => self.on_ctrl(&mut book, token, &bytes)?,
+                Ev::Ctrl { token, bytes, .. } => self.on_ctrl(&mut book.shakes, token, &bytes)?,
                 other => tracing::warn!("listener: ignored {other:?}"),
             }
         }
         let now = Instant::now();
-        let done = book
-            .step_all(|p| self.step(p, now), |why| tracing::warn!("{why}"))
-            .map_err(Error::remote)?;
-        Ok(done.map(|c| -> Arc<dyn Receiver> { c }))
+        loop {
+            match book
+                .shakes
+                .step_all(|p| self.step(p, now), |why| tracing::warn!("{why}"))
+            {
+                Ok(Some(c)) => book.ready.push_back(c),
+                Ok(None) => return Ok(()),
+                Err(why) => {
+                    book.failed = Some(why);
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
+impl Listener for ListenComm {
+    fn accept(&self) -> Result<Option<Arc<dyn Receiver>>> {
+        let mut book = lock(&self.book);
+        self.turn(&mut book)?;
+        if let Some(c) = book.ready.pop_front() {
+            return Ok(Some(c));
+        }
+        // NCCL connects one peer per listener: a failure is its answer only
+        // when nothing else is pending.
+        match book.failed.take() {
+            Some(why) if book.shakes.idle() => Err(Error::remote(why)),
+            _ => Ok(None),
+        }
+    }
+
+    fn tend(&self, now: Instant) {
+        let Some(mut book) = try_lock(&self.book) else {
+            return;
+        };
+        if let Err(e) = self.turn(&mut book) {
+            tracing::warn!("listener on device {}: {e}", self.dev.index);
+        }
+        // Confirmed comms not handed to NCCL yet say Alive like the others.
+        for c in &book.ready {
+            c.keepalive(now);
+        }
     }
 }

@@ -10,7 +10,10 @@
 //! listener's id; the listener makes a receive comm and answers
 //! `Ack{conn nonce, its id, passive address, credits}`; the sender's first
 //! `Alive` confirms, and `accept` hands the comm to NCCL, so a connecting peer
-//! that dies mid-handshake is an error, not a comm that never receives.
+//! that dies mid-handshake is an error, not a comm that never receives. The
+//! keeper thread answers `Conn`s and steps handshakes too
+//! ([`super::Listener::tend`]), so a rank that does not call `accept` for a
+//! while is still a live listener; what it confirmed waits for `accept`.
 //!
 //! **Data** takes one of two paths, [`Path`]:
 //!
