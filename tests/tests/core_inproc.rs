@@ -444,6 +444,51 @@ fn close_with_requests_in_flight() {
     core::dereg_mr(s, smh).unwrap();
 }
 
+/// An rdma send comm closed with its write in flight (NCCL's abort, or a
+/// rank that finished its sends and closes): the close returns only once
+/// the provider is done reading NCCL's buffer, so what NCCL puts there
+/// after the close never reaches the peer, whose receive gets exactly what
+/// was sent. 32 MiB: far more than the sockets hold, so the write is still
+/// in flight when the close begins. (Tagged sends are not waited for: see
+/// the README's "Close in flight".)
+fn close_send_with_a_write_in_flight(provider: &str) {
+    std::env::set_var("WEFT_PROTOCOL", "rdma");
+    let ctx = init(provider);
+    let (s, r) = pair(ctx);
+    let len = 32 << 20;
+    let want = pattern(3, 4, len);
+    let mut src = want.clone();
+    let mut dst = vec![0u8; len];
+    let (smh, rmh) = (reg(s, &src), reg(r, &dst));
+    let rq = irecv(r, &mut [&mut dst[..]], &[4], &[rmh]);
+    let _sq = isend(s, &src, 4, smh);
+    core::close_send(s).unwrap();
+    // NCCL reuses (or frees) the buffer once the close returned.
+    src.fill(0xEE);
+    let d = wait(rq);
+    assert_eq!(d.sizes[0], len, "{provider}: received size");
+    let changed = dst.iter().zip(&want).filter(|(a, b)| a != b).count();
+    assert_eq!(
+        changed, 0,
+        "{provider}: {changed} bytes arrived as the buffer held them after closeSend returned"
+    );
+    core::dereg_mr(s, smh).unwrap();
+    core::dereg_mr(r, rmh).unwrap();
+    core::close_recv(r).unwrap();
+}
+
+#[test]
+fn tcp_close_send_with_a_write_in_flight() {
+    weft_tests::isolated!();
+    close_send_with_a_write_in_flight("tcp");
+}
+
+#[test]
+fn shm_close_send_with_a_write_in_flight() {
+    weft_tests::isolated!();
+    close_send_with_a_write_in_flight("shm");
+}
+
 #[test]
 fn iflush_on_host_memory_is_a_null_request() {
     weft_tests::isolated!();

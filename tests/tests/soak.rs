@@ -39,6 +39,8 @@ fn spawn(c: &Cluster, h: usize, protocol: &str, args: &[String], log: &Path) -> 
         .env("WEFT_IFACE", "r0")
         .env("FI_TCP_IFACE", "r0")
         .env("WEFT_PEER_TIMEOUT", "5")
+        // The provider's own warnings go into the same log.
+        .env("FI_LOG_LEVEL", "warn")
         // Aborting ranks under rdma only: under sendrecv a transfer of a
         // partner that aborted was seen pending after 180 s (not fixed yet).
         .env(

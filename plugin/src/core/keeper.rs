@@ -11,7 +11,7 @@
 //! keep their heartbeats, and NCCL's calls never wait on the keeper (they
 //! only try the comm's lock).
 //!
-//! Between periods it also runs when hurried ([`hurry`]): a comm whose
+//! Between periods it also runs when hurried (`proto::sync::hurry`): a comm whose
 //! control message the provider refused for now (`-FI_EAGAIN`, e.g. while
 //! rxm connects) keeps it queued, and the comm may not be called again soon
 //! (NCCL's connect returns the comm; the peer's accept waits for that
@@ -30,6 +30,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::{Error, Result};
+use crate::proto::sync::{hurried, set_waker, take_hurry, Waker};
 
 /// The name of a keeper thread (as `/proc/<pid>/task/*/comm` shows it).
 pub const THREAD_NAME: &str = "weft-keeper";
@@ -64,21 +65,10 @@ struct Shared {
     pulse: Pulse,
 }
 
-/// A comm owes a control message the provider refused for now.
-static HURRY: AtomicBool = AtomicBool::new(false);
-/// The running keeper's state, to wake it.
-static CURRENT: Mutex<Weak<Shared>> = Mutex::new(Weak::new());
-
-/// Asks the keeper for a tick soon (see the module's documentation). Cheap
-/// when already asked; never waits on a comm.
-pub fn hurry() {
-    if HURRY.swap(true, Ordering::AcqRel) {
-        return;
-    }
-    let current = CURRENT.lock().unwrap_or_else(|e| e.into_inner()).upgrade();
-    if let Some(s) = current {
-        let _stop = s.stop.lock().unwrap_or_else(|e| e.into_inner());
-        s.wake.notify_all();
+impl Waker for Shared {
+    fn wake(&self) {
+        let _stop = self.stop.lock().unwrap_or_else(|e| e.into_inner());
+        self.wake.notify_all();
     }
 }
 
@@ -90,11 +80,11 @@ impl Shared {
         let stop = self.stop.lock().unwrap_or_else(|e| e.into_inner());
         let (stop, _) = self
             .wake
-            .wait_timeout_while(stop, self.period, |s| !*s && !HURRY.load(Ordering::Acquire))
+            .wait_timeout_while(stop, self.period, |s| !*s && !hurried())
             .unwrap_or_else(|e| e.into_inner());
         let running = !*stop;
         drop(stop);
-        if running && HURRY.swap(false, Ordering::AcqRel) {
+        if running && take_hurry() {
             std::thread::sleep(Duration::from_micros(100));
         }
         running
@@ -210,7 +200,8 @@ impl Keeper {
             current: AtomicU64::new(0),
             pulse: Pulse::default(),
         });
-        *CURRENT.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(&shared);
+        let waker: Weak<Shared> = Arc::downgrade(&shared);
+        set_waker(waker as Weak<dyn Waker>);
         let first = spawn_keeper(&shared, 0)?;
         let s = Arc::clone(&shared);
         let watchdog = match spawn(WATCHDOG_NAME, move || watchdog(s, first)) {

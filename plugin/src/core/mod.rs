@@ -916,8 +916,9 @@ pub fn dereg_mr(_comm: *mut c_void, mh: *mut c_void) -> Result<()> {
     let h = REG.mr.remove(mh).ok_or_else(|| {
         Error::internal(format!("deregMr: {mh:p} is not a live Weft memory handle"))
     })?;
-    // Normally the registry held the last reference; if a data-path call
-    // still holds one, the registrations live until it lets go.
+    // Normally the registry held the last reference; if a receive in
+    // flight (or a data-path call) still holds one, the registrations live
+    // until it lets go (see `proto::Hold`).
     if let Ok(h) = Arc::try_unwrap(h) {
         release(h);
     }
@@ -1030,14 +1031,24 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
     for (h, a) in handles.iter_mut().zip(args) {
         *h = Some(desc_for(a.mhandle, r.dev, a.data.cast(), a.size, "irecv")?);
     }
+    // The receive keeps each handle (its registrations) until it is done,
+    // even past NCCL's deregMr (see `proto::Hold`).
+    let holds: [Option<proto::Hold>; props::MAX_RECVS] =
+        std::array::from_fn(|i| handles[i].clone().map(|h| h as proto::Hold));
     let mut bufs = [RecvBuf::EMPTY; props::MAX_RECVS];
-    for ((b, a), h) in bufs.iter_mut().zip(args).zip(handles.iter().flatten()) {
+    for (((b, a), h), hold) in bufs
+        .iter_mut()
+        .zip(args)
+        .zip(handles.iter().flatten())
+        .zip(&holds)
+    {
         *b = RecvBuf {
             data: a.data.cast(),
             size: a.size,
             tag: a.tag,
             mem: &h.mems,
             phandle: a.phandle,
+            hold: hold.as_ref(),
         };
     }
     // SAFETY: every buffer lies inside a live registration (checked above).

@@ -37,13 +37,46 @@ pub(crate) fn nonce() -> u64 {
 }
 
 /// One handshake in progress: the comm being set up for it (`T`), the
-/// connecting side's nonce, its Ack until sent (`A`), and its deadline.
+/// connecting side's nonce, its Ack (`A`), and its deadlines.
 #[derive(Debug)]
 pub(crate) struct Pending<T, A> {
     pub(crate) comm: T,
     pub(crate) conn: u64,
-    pub(crate) ack: Option<A>,
+    pub(crate) ack: A,
+    /// The Ack is to be sent: at first, and again after a repeated `Conn`
+    /// (the connecting side did not get it: an Ack the provider took can
+    /// still be lost, as a `Conn` can).
+    pub(crate) due: bool,
+    /// The Ack went out at least once: the handshake is never evicted.
+    pub(crate) answered: bool,
+    /// When it fails unconfirmed: its `limit`, or two heartbeat periods
+    /// after the last Ack, whichever comes first.
     pub(crate) deadline: Instant,
+    /// The latest it may end: the connecting side gives up by then.
+    pub(crate) limit: Instant,
+}
+
+impl<T, A> Pending<T, A> {
+    /// A handshake for `conn`, admitted at `now`, whose peer gives up after
+    /// `timeout`.
+    pub(crate) fn new(comm: T, conn: u64, ack: A, now: Instant, timeout: Duration) -> Self {
+        Self {
+            comm,
+            conn,
+            ack,
+            due: true,
+            answered: false,
+            deadline: now + timeout,
+            limit: now + timeout,
+        }
+    }
+    /// The Ack went out at `now`: the peer confirms within `window` or not
+    /// at all (unless it repeats its `Conn`).
+    pub(crate) fn answered_at(&mut self, now: Instant, window: Duration) {
+        self.due = false;
+        self.answered = true;
+        self.deadline = self.limit.min(now + window);
+    }
 }
 
 /// What became of a pending handshake after one step.
@@ -83,9 +116,22 @@ impl<T, A> Default for Handshakes<T, A> {
 
 impl<T, A> Handshakes<T, A> {
     /// Whether a `Conn` with this nonce is already pending or was accepted
-    /// (a repeat, to be ignored).
-    pub(crate) fn knows(&self, conn: u64) -> bool {
+    /// (a repeat).
+    #[cfg(test)]
+    fn knows(&self, conn: u64) -> bool {
         self.pending.iter().any(|p| p.conn == conn) || self.accepted.contains(&conn)
+    }
+
+    /// A repeated `Conn` with this nonce: a pending handshake already
+    /// answered is answered again (its connecting side never got the Ack);
+    /// one accepted, or not answered yet, needs nothing. Whether it was
+    /// known at all.
+    pub(crate) fn repeated(&mut self, conn: u64) -> bool {
+        if let Some(p) = self.pending.iter_mut().find(|p| p.conn == conn) {
+            p.due |= p.answered;
+            return true;
+        }
+        self.accepted.contains(&conn)
     }
 
     /// Whether no handshake is pending.
@@ -96,7 +142,7 @@ impl<T, A> Handshakes<T, A> {
     /// Whether a new handshake can be taken: there is room, or one whose
     /// Ack has not gone out can make room.
     pub(crate) fn has_room(&self) -> bool {
-        self.pending.len() < MAX_PENDING || self.pending.iter().any(|p| p.ack.is_some())
+        self.pending.len() < MAX_PENDING || self.pending.iter().any(|p| !p.answered)
     }
 
     /// Counts a `Conn` refused for want of room ([`Handshakes::has_room`]);
@@ -122,7 +168,7 @@ impl<T, A> Handshakes<T, A> {
             self.pending.push(p);
             return Ok(None);
         }
-        let Some(i) = self.pending.iter().position(|q| q.ack.is_some()) else {
+        let Some(i) = self.pending.iter().position(|q| !q.answered) else {
             return Err(p);
         };
         let evicted = self.pending.remove(i);
@@ -376,12 +422,7 @@ mod tests {
     }
 
     fn p(conn: u64) -> Pending<u64, ()> {
-        Pending {
-            comm: conn,
-            conn,
-            ack: Some(()),
-            deadline: Instant::now(),
-        }
+        Pending::new(conn, conn, (), Instant::now(), Duration::ZERO)
     }
 
     #[test]
@@ -409,7 +450,7 @@ mod tests {
             b.admit(p(c)).unwrap();
         }
         for q in &mut b.pending {
-            q.ack = None; // every Ack went out
+            q.answered_at(Instant::now(), Duration::from_secs(1)); // every Ack went out
         }
         assert!(!b.has_room());
         assert_eq!(
@@ -418,7 +459,7 @@ mod tests {
             "refused"
         );
         assert!(!b.knows(1000) && (0..MAX_PENDING as u64).all(|c| b.knows(c)));
-        b.pending[5].ack = Some(());
+        b.pending[5].answered = false;
         assert!(b.has_room());
         let e = b
             .admit(p(1001))
@@ -428,6 +469,30 @@ mod tests {
         assert!((0..MAX_PENDING as u64)
             .filter(|&c| c != 5)
             .all(|c| b.knows(c)));
+    }
+
+    /// A repeated `Conn` makes the listener answer again, but only a
+    /// handshake it answered already; the deadline after the new answer
+    /// never passes the connecting side's own.
+    #[test]
+    fn a_repeated_conn_is_answered_again() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut b = Handshakes::default();
+        b.admit(Pending::new(1, 1, (), t0, 8 * s)).unwrap();
+        b.admit(Pending::new(2, 2, (), t0, 8 * s)).unwrap();
+        assert!(
+            b.repeated(1) && b.pending[0].due,
+            "not answered yet: due anyway"
+        );
+        b.pending[0].answered_at(t0, 2 * s);
+        assert!(!b.pending[0].due && b.pending[0].deadline == t0 + 2 * s);
+        assert!(b.repeated(1), "known");
+        assert!(b.pending[0].due, "answered again");
+        assert!(!b.pending[1].answered && b.pending[1].due);
+        b.pending[0].answered_at(t0 + 7 * s, 2 * s);
+        assert_eq!(b.pending[0].deadline, t0 + 8 * s, "never past the limit");
+        assert!(!b.repeated(3), "an unknown Conn is a new one");
     }
 
     #[test]
@@ -448,6 +513,7 @@ mod tests {
         );
         assert_eq!(got, Ok(Some(8)));
         assert!(b.knows(8), "a late repeat of an accepted Conn is ignored");
+        assert!(b.repeated(8));
         assert_eq!(b.pending.len(), 2);
         for c in 100..100 + ACCEPTED_MEMORY as u64 {
             b.admit(p(c)).unwrap();

@@ -127,6 +127,17 @@ unsafe impl Send for Mem {}
 // SAFETY: as for Send; nothing is written through it.
 unsafe impl Sync for Mem {}
 
+/// What keeps a buffer's registration open while a receive holds it: the
+/// caller's handle for it (the core's memory handle), opaque here. NCCL
+/// deregisters a receive buffer before it closes the comm, with the peer's
+/// write possibly still on its way; a write that finds its key gone is
+/// dropped by libfabric 1.17's tcp provider without consuming it, and that
+/// connection carries nothing more (every comm between those endpoints in
+/// that direction falls silent). So a receive holds its buffers'
+/// registrations until it is reported done, or its comm is closed (which
+/// waits for the sender's answering `Bye`).
+pub type Hold = Arc<dyn std::any::Any + Send + Sync>;
+
 /// One receive buffer of a grouped receive.
 #[derive(Debug, Clone, Copy)]
 pub struct RecvBuf<'a> {
@@ -141,6 +152,9 @@ pub struct RecvBuf<'a> {
     pub mem: &'a [Mem],
     /// NCCL profiler handle (kept, v10+).
     pub phandle: *mut c_void,
+    /// Keeps the registration open while the receive holds the buffer
+    /// (see [`Hold`]); `None` for memory the comm owns.
+    pub hold: Option<&'a Hold>,
 }
 
 impl RecvBuf<'_> {
@@ -151,6 +165,7 @@ impl RecvBuf<'_> {
         tag: 0,
         mem: &[],
         phandle: std::ptr::null_mut(),
+        hold: None,
     };
 }
 

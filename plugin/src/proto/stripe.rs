@@ -52,7 +52,7 @@ use super::pool::Pool;
 use super::sync::try_lock;
 use super::wire::MAX_RAILS;
 use super::{
-    Comm, DeviceState, Done, Listener, Mem, Receiver, RecvBuf, ReqId, Sender, MAX_RECVS,
+    Comm, DeviceState, Done, Hold, Listener, Mem, Receiver, RecvBuf, ReqId, Sender, MAX_RECVS,
     MAX_REQUESTS,
 };
 use crate::error::{Error, Result};
@@ -396,7 +396,19 @@ struct Side<R: Copy, X> {
     queues: Vec<VecDeque<Post>>,
     counts: HashMap<i32, u32>,
     failed: Option<Error>,
+    /// Per request slot: what keeps NCCL's buffer registered on every rail
+    /// until the request is reported done (receives; see [`Hold`]).
+    holds: Vec<Option<Hold>>,
     x: X,
+}
+
+impl<R: Copy, X> Side<R, X> {
+    /// Request `slot` no longer holds its buffer's registration.
+    fn let_go(&mut self, slot: u32) {
+        if let Some(h) = self.holds.get_mut(slot as usize) {
+            *h = None;
+        }
+    }
 }
 
 /// A comm on a virtual device: one member comm (`C`) per rail and the
@@ -435,6 +447,7 @@ impl<C: Comm + ?Sized, R: Copy, X> Striped<C, R, X> {
             queues: vec![VecDeque::new(); rails.len()],
             counts: HashMap::new(),
             failed: None,
+            holds: vec![None; MAX_REQUESTS],
             x,
         };
         Ok(Self {
@@ -458,6 +471,7 @@ impl<C: Comm + ?Sized, R: Copy, X> Striped<C, R, X> {
         };
         if let Some(e) = st.failed.clone() {
             st.reqs.release(id.slot);
+            st.let_go(id.slot);
             return Err(e);
         }
         if !st.reqs.is_current(id.slot, id.gen) {
@@ -469,6 +483,7 @@ impl<C: Comm + ?Sized, R: Copy, X> Striped<C, R, X> {
         let r = step(&mut st);
         if !matches!(r, Ok(None)) {
             st.reqs.release(id.slot);
+            st.let_go(id.slot);
         }
         r.map_err(|e| broken(&mut st.failed, e))
     }
@@ -484,6 +499,7 @@ impl<C: Comm + ?Sized, R: Copy, X> Striped<C, R, X> {
         &self,
         call: &str,
         mem: &[Mem],
+        hold: Option<&Hold>,
         tag: i32,
         progress: impl Fn(&mut Side<R, X>) -> Result<()>,
         place: impl FnOnce(&mut Side<R, X>, u32, [Mem; MAX_RAILS]) -> Option<u32>,
@@ -511,6 +527,9 @@ impl<C: Comm + ?Sized, R: Copy, X> Striped<C, R, X> {
         let Some(slot) = place(&mut st, number, mems) else {
             return Ok(None);
         };
+        if let Some(h) = st.holds.get_mut(slot as usize) {
+            *h = hold.cloned();
+        }
         st.counts.insert(tag, number.wrapping_add(1));
         progress(&mut st).map_err(|e| broken(&mut st.failed, e))?;
         Ok(Some(ReqId {
@@ -613,7 +632,7 @@ impl Sender for StripedSend {
         let progress = |st: &mut SendState| self.progress(st);
         // No CPU touches GPU data: only host-memory devices inline.
         let inline = size <= INLINE_MAX && !self.devs.iter().any(|d| d.cuda);
-        self.post_with("isend", mem, tag, progress, |st, number, mems| {
+        self.post_with("isend", mem, None, tag, progress, |st, number, mems| {
             let first = st.x;
             let parts = if inline {
                 Parts::default()
@@ -729,6 +748,7 @@ impl StripedRecv {
                         tag: req.tag,
                         mem: &header_mem,
                         phandle: std::ptr::null_mut(),
+                        hold: None,
                     },
                     // Cut to the buffer: nothing lands past it.
                     Some(p) => RecvBuf {
@@ -737,6 +757,7 @@ impl StripedRecv {
                         tag: req.tag,
                         mem: &req.mems[r..=r],
                         phandle: std::ptr::null_mut(),
+                        hold: st.holds.get(post.slot as usize).and_then(Option::as_ref),
                     },
                 };
                 // SAFETY: a header slot lives as long as the comm; a part
@@ -889,27 +910,34 @@ impl Receiver for StripedRecv {
             )));
         };
         let progress = |st: &mut RecvState| self.progress(st);
-        self.post_with("irecv", b.mem, b.tag, progress, |st, number, mems| {
-            let req = RReq {
-                data: b.data as usize,
-                cap: b.size,
-                tag: b.tag,
-                number,
-                mems,
-                stage: Stage::Queued,
-                header: None,
-                size: 0,
-                members: Members::NONE,
-            };
-            let (_, slot) = st.reqs.insert(req)?;
-            let q = st.x.entry(b.tag).or_default();
-            q.push_back(slot);
-            if q.len() == 1 {
-                st.reqs.get_mut(slot).expect("inserted").stage = Stage::Header;
-                st.queues[0].push_back(Post { slot, part: None });
-            }
-            Some(slot)
-        })
+        self.post_with(
+            "irecv",
+            b.mem,
+            b.hold,
+            b.tag,
+            progress,
+            |st, number, mems| {
+                let req = RReq {
+                    data: b.data as usize,
+                    cap: b.size,
+                    tag: b.tag,
+                    number,
+                    mems,
+                    stage: Stage::Queued,
+                    header: None,
+                    size: 0,
+                    members: Members::NONE,
+                };
+                let (_, slot) = st.reqs.insert(req)?;
+                let q = st.x.entry(b.tag).or_default();
+                q.push_back(slot);
+                if q.len() == 1 {
+                    st.reqs.get_mut(slot).expect("inserted").stage = Stage::Header;
+                    st.queues[0].push_back(Post { slot, part: None });
+                }
+                Some(slot)
+            },
+        )
     }
 }
 

@@ -1,10 +1,53 @@
 //! How threads take a comm's state, for every protocol: NCCL's data path
 //! never waits ([`try_lock`]), the keeper tries a few times ([`keeper_lock`]),
 //! and a poisoned lock is taken anyway (a panic was already caught and
-//! reported at the C boundary; the state is plain data).
+//! reported at the C boundary; the state is plain data). And how a comm
+//! asks the thread that tends comms (the core's keeper) for a tick soon
+//! ([`hurry`]) without knowing that thread: the keeper registers a
+//! [`Waker`] here.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
-use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::sync::{Mutex, MutexGuard, TryLockError, Weak};
+
+/// What wakes the thread that tends comms before its period is up.
+pub trait Waker: Send + Sync {
+    /// Wakes it (never waits on a comm).
+    fn wake(&self);
+}
+
+/// A comm owes a control message the provider refused for now.
+static HURRY: AtomicBool = AtomicBool::new(false);
+/// The tending thread's waker (none, or gone, while no keeper runs).
+static WAKER: Mutex<Option<Weak<dyn Waker>>> = Mutex::new(None);
+
+/// Asks for a tick soon: a comm whose control message the provider refused
+/// for now may not be called again soon, and the tick sends what it owes.
+/// Cheap when already asked; never waits on a comm.
+pub fn hurry() {
+    if HURRY.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let waker = lock(&WAKER).as_ref().and_then(Weak::upgrade);
+    if let Some(w) = waker {
+        w.wake();
+    }
+}
+
+/// Whether a tick was asked for.
+pub fn hurried() -> bool {
+    HURRY.load(Ordering::Acquire)
+}
+
+/// Takes the request for a tick: whether there was one.
+pub fn take_hurry() -> bool {
+    HURRY.swap(false, Ordering::AcqRel)
+}
+
+/// The thread that tends comms from now on.
+pub fn set_waker(w: Weak<dyn Waker>) {
+    *lock(&WAKER) = Some(w);
+}
 
 /// How often a comm's lock is tried before the keeper skips it for a tick.
 const KEEPER_TRIES: u32 = 64;

@@ -89,6 +89,20 @@ fn gone(dir: &Path, rank: u64, pid: u32) -> bool {
     pid_of(dir, rank) != Some(pid) || !alive(pid)
 }
 
+/// A line in this rank's log (stderr), in the Weft log's format, so that a
+/// failure reads as one story: which epoch, which comm came up when.
+fn note(text: &str) {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    eprintln!(
+        "{}.{:03} [{}] SOAK {text}",
+        t.as_secs(),
+        t.subsec_millis(),
+        std::process::id()
+    );
+}
+
 fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, text).map_err(|e| e.to_string())?;
@@ -127,6 +141,7 @@ impl Rank {
         let to = (self.rank + k) % self.n;
         let (h, l) = host::listen(self.ctx);
         let me = std::process::id();
+        note(&format!("epoch {e}: to rank {to}, from rank {from}"));
         write_atomic(
             &self.dir.join(format!("{e}-{from}-{}.handle", self.rank)),
             &format!("{me} {}", hex(&h)),
@@ -227,6 +242,16 @@ impl Rank {
     /// (a restarted rank) finds the epoch given up instead of a listener
     /// nobody accepts on.
     fn give_up(&self, h: &mut Half) {
+        note(&format!(
+            "epoch {}: gave up {} rank {} (gone)",
+            h.e,
+            if h.sends {
+                "sending to"
+            } else {
+                "receiving from"
+            },
+            h.partner
+        ));
         let _ = write_atomic(
             &self
                 .dir
@@ -238,6 +263,7 @@ impl Rank {
 
     /// Ends `h` after an error: excused (gone) if its partner is gone.
     fn fail(&self, h: &mut Half, why: String) {
+        note(&format!("epoch {}: rank {}: {why}", h.e, h.partner));
         if self.partner_gone(h) {
             return self.give_up(h);
         }
@@ -273,7 +299,10 @@ impl Rank {
         if h.comm.is_none() {
             let handle = h.handle.as_mut().expect("read above");
             match core::connect(self.ctx, 0, None, handle) {
-                Ok(Some(c)) => h.comm = Some(c),
+                Ok(Some(c)) => {
+                    note(&format!("epoch {}: connected to rank {}", h.e, h.partner));
+                    h.comm = Some(c)
+                }
                 Ok(None) if self.partner_gone(h) => self.give_up(h),
                 Ok(None) => {}
                 Err(err) => self.fail(h, err.to_string()),
@@ -289,7 +318,10 @@ impl Rank {
         }
         if h.comm.is_none() {
             match core::accept(l) {
-                Ok(Some(c)) => h.comm = Some(c),
+                Ok(Some(c)) => {
+                    note(&format!("epoch {}: accepted from rank {}", h.e, h.partner));
+                    h.comm = Some(c)
+                }
                 Ok(None) if self.partner_gone(h) => self.give_up(h),
                 Ok(None) => {}
                 Err(err) => self.fail(h, format!("accept: {err}")),
@@ -427,8 +459,10 @@ impl Half {
 }
 
 /// What a received message holds instead of `want`: where it first differs,
-/// how many bytes do, and whether it is another message's pattern from
-/// `from` (an earlier epoch's, or another size's) or zeros.
+/// how many bytes do, whether it is another message's pattern from `from`
+/// (an earlier epoch's, or another size's) or zeros, the runs of differing
+/// bytes (a run ends after 16 equal ones) with their addresses, and the
+/// first run's bytes in hex.
 fn differs(got: &[u8], want: &[u8], from: u64) -> String {
     let first = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
     let n = got.iter().zip(want).filter(|(a, b)| a != b).count();
@@ -440,9 +474,30 @@ fn differs(got: &[u8], want: &[u8], from: u64) -> String {
         .zip(&want[first..])
         .take_while(|(a, b)| a.wrapping_sub(**b) == shift)
         .count();
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for i in (0..got.len()).filter(|&i| got[i] != want[i]) {
+        match runs.last_mut() {
+            Some(r) if i <= r.1 + 16 => r.1 = i,
+            _ => runs.push((i, i)),
+        }
+    }
+    let base = got.as_ptr() as usize;
+    let shown: Vec<String> = runs
+        .iter()
+        .take(8)
+        .map(|&(a, b)| format!("{a}..={b} (at {:#x})", base + a))
+        .collect();
+    let hex: String = runs.first().map_or(String::new(), |&(a, b)| {
+        got[a..=b.min(a + 95)]
+            .iter()
+            .map(|x| format!("{x:02x}"))
+            .collect()
+    });
     format!(
-        "{n} of {} bytes from byte {first}; {zeros} zeros there; the next {same_shift} bytes are the pattern shifted by {shift} (seq*7+tag off by that mod 256; from {from})",
-        got.len()
+        "{n} of {} bytes from byte {first}; {zeros} zeros there; the next {same_shift} bytes are the pattern shifted by {shift} (seq*7+tag off by that mod 256; from {from}); buffer at {base:#x}; {} run(s): {}; first run holds {hex}",
+        got.len(),
+        runs.len(),
+        shown.join(", ")
     )
 }
 

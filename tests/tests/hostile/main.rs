@@ -173,6 +173,61 @@ fn forged_ack_addresses(provider: &str) {
 }
 both!(forged_ack_addresses: tcp_forged_ack_addresses, shm_forged_ack_addresses);
 
+/// A Conn whose Ack is lost (the provider took it, as it can take a Conn
+/// and lose it): the connecting side repeats its Conn, and the listener
+/// answers it again; `accept` hands out the comm only once the peer itself
+/// confirmed it, and the comm then carries the peer's messages.
+fn a_lost_ack_is_answered_again(provider: &str) {
+    let ctx = init_logged(provider);
+    let (h, l) = listen(ctx);
+    let real = ListenHandle::decode(&h).unwrap();
+    let f = Forger::open(provider);
+    let to = f.peer(&real.addr);
+    f.aim(real.id);
+    f.sign(0x5157_0001);
+    let conn = Ctrl::Conn {
+        listener: real.nonce,
+        conn: 0xA11CE,
+        id: 77,
+        addr: f.name(),
+    };
+    let not_yet = || {
+        assert!(
+            core::accept(l).unwrap().is_none(),
+            "{provider}: accepted before the peer confirmed"
+        )
+    };
+    let ack = || {
+        poll_until("the listener's Ack", || {
+            not_yet();
+            match f.try_recv() {
+                Some(Ctrl::Ack {
+                    conn: 0xA11CE,
+                    id,
+                    addr,
+                    ..
+                }) => Some((id, addr)),
+                _ => None,
+            }
+        })
+    };
+    f.send_while(to, &conn, not_yet);
+    let first = ack();
+    // That Ack was "lost": the Conn comes again, and so must the Ack.
+    f.send_while(to, &conn, not_yet);
+    let again = ack();
+    assert_eq!(first, again, "{provider}: the same handshake answered");
+    let back = f.peer(&again.1);
+    f.aim(again.0);
+    f.send_while(back, &Ctrl::Alive, || {});
+    let r = poll_until("accept after the peer confirmed", || {
+        core::accept(l).unwrap()
+    });
+    core::close_listen(l).unwrap();
+    core::close_recv(r).unwrap();
+}
+both!(a_lost_ack_is_answered_again: tcp_a_lost_ack_is_answered_again, shm_a_lost_ack_is_answered_again);
+
 /// One `accept` that must not hand out a comm: forged handshakes expire
 /// (an error once none is left pending), none is ever confirmed.
 fn quiet_accept(l: *mut c_void) {

@@ -83,8 +83,10 @@ impl ListenComm {
                 id,
                 addr,
             }) if listener == self.nonce => {
-                if book.knows(conn) {
-                    tracing::debug!("listener on device {dev}: ignored a repeated Conn");
+                if book.repeated(conn) {
+                    tracing::debug!(
+                        "listener on device {dev}: a repeated Conn (answered again if pending)"
+                    );
                     return Ok(());
                 }
                 if !book.has_room() {
@@ -117,12 +119,7 @@ impl ListenComm {
                     }
                 };
                 book.admit_logged(
-                    Pending {
-                        comm,
-                        conn,
-                        ack: Some(ack),
-                        deadline: Instant::now() + self.dev.peer_timeout,
-                    },
+                    Pending::new(comm, conn, ack, Instant::now(), self.dev.peer_timeout),
                     dev,
                 );
             }
@@ -132,25 +129,21 @@ impl ListenComm {
     }
 
     fn step(&self, p: &mut Pending<Arc<RecvComm>, Ctrl>, now: Instant) -> Step {
-        let answered = match p.ack.take() {
-            Some(ack) => match p.comm.say(ack) {
-                Ok(()) => {
-                    // A live peer confirms as soon as it reads the Ack: an
-                    // answered handshake is never evicted, so it may hold
-                    // its place only so long (see `MAX_PENDING`).
-                    let window = 2 * heartbeat_period(self.dev.peer_timeout);
-                    p.deadline = p.deadline.min(now + window);
-                    true
-                }
+        if p.due {
+            match p.comm.say(p.ack.clone()) {
+                // A live peer confirms as soon as it reads the Ack: an
+                // answered handshake is never evicted, so it may hold its
+                // place only so long (see `MAX_PENDING`).
+                Ok(()) => p.answered_at(now, 2 * heartbeat_period(self.dev.peer_timeout)),
                 Err(e) => {
                     return Step::Failed(format!(
                         "accept: cannot answer the connecting peer {}: {e}",
                         p.comm.peer_name()
                     ))
                 }
-            },
-            None => true,
-        };
+            }
+        }
+        let answered = p.answered;
         match p.comm.confirmed() {
             Err(e) => Step::Failed(format!(
                 "accept: handshake with {} failed: {e}",

@@ -86,9 +86,16 @@
 //! posted; tagged receives posted to the shared endpoint are cancelled, and
 //! a receive fails only once the provider has returned every one of its
 //! buffers (a closed receive comm waits for that too, up to
-//! `WEFT_PEER_TIMEOUT`). A send or write to a peer that died may still read
-//! its source buffer until the provider gives up on the connection (reads
-//! only: NCCL's memory is never written).
+//! `WEFT_PEER_TIMEOUT`). A closing rdma send comm likewise waits for its
+//! writes in flight to complete (or fail, or the peer to be declared dead,
+//! or `WEFT_PEER_TIMEOUT`): until then the provider reads their source, and
+//! NCCL may free or reuse it once the close returns, so the receiver would
+//! be written whatever the memory then holds (and an unmapped source would
+//! crash the provider). A tagged send is not waited for (an unmatched one
+//! completes only when its receiver posts a receive or closes): rxm may
+//! still read its source for a rendezvous after the close. A send to a peer
+//! that died may still read its source until the provider gives up on the
+//! connection (reads only; the peer is gone).
 
 use std::collections::VecDeque;
 use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
@@ -296,7 +303,7 @@ impl PeerLink {
                 Err(e) if e.is_again() => {
                     // The comm may not be called again soon: the keeper
                     // sends it (see `core::keeper`).
-                    crate::core::keeper::hurry();
+                    super::sync::hurry();
                     return Ok(());
                 }
                 Err(e) => {
@@ -343,13 +350,19 @@ const PEER_CLOSED: &str =
 fn close_wait<S: Side>(
     st: &mut S,
     seat: &Seat,
-    deadline: Instant,
+    timeout: std::time::Duration,
     waiting: impl Fn(&S) -> bool,
     why: &str,
 ) {
+    let deadline = Instant::now() + timeout;
     while waiting(st) {
-        crate::core::keeper::hurry();
-        if let Err(e) = st.progress(seat) {
+        super::sync::hurry();
+        if st.linked() && st.peer().link.dead.is_none() {
+            // The keeper cannot tend a comm whose lock the close holds:
+            // liveness goes on here (a peer that dies meanwhile ends the
+            // wait as soon as it is declared dead, not at the deadline).
+            keepalive(st, seat, timeout, Instant::now());
+        } else if let Err(e) = st.progress(seat) {
             tracing::warn!("closing a {} {}: {e}", S::WHAT, st.peer().link.name);
         }
         if Instant::now() > deadline {

@@ -15,7 +15,7 @@ use super::super::grave::{Closed, GRAVE_TAGS};
 use super::super::hub::{context, data_tag};
 use super::super::pool::Pool;
 use super::super::wire::RtrBuf;
-use super::super::{Comm, Done, Mem, Receiver, RecvBuf, ReqId, MAX_RECVS, MAX_REQUESTS};
+use super::super::{Comm, Done, Hold, Mem, Receiver, RecvBuf, ReqId, MAX_RECVS, MAX_REQUESTS};
 use super::*;
 
 /// A receiving comm.
@@ -108,6 +108,10 @@ struct RecvState {
     /// grave drains with both: [`super::super::grave`]).
     max_cap: usize,
     tags: Vec<i32>,
+    /// What keeps each request's buffers registered until NCCL is told it
+    /// is done (slot * MAX_RECVS + buffer; see [`Hold`]). Dropped with the
+    /// state, after the close waited for the sender's answering `Bye`.
+    holds: Vec<Option<Hold>>,
 }
 
 impl std::fmt::Debug for RecvComm {
@@ -140,6 +144,7 @@ impl RecvComm {
                 peer_sent: None,
                 max_cap: 0,
                 tags: Vec::new(),
+                holds: vec![None; MAX_REQUESTS * MAX_RECVS],
             }),
         })
     }
@@ -210,6 +215,7 @@ impl Receiver for RecvComm {
                 "irecv: the request pool is full though it had room",
             ));
         };
+        st.hold(slot, bufs);
         let offered = match st.path {
             Path::Rdma => st.offer(&self.seat, slot, bufs),
             Path::Tagged => st.post_all(&self.seat, slot),
@@ -221,6 +227,7 @@ impl Receiver for RecvComm {
             die(&mut *st, format!("posting a receive failed: {e}"));
             if st.reqs.get(slot).is_some_and(|r| r.posted == 0) {
                 st.reqs.release(slot);
+                st.hold(slot, &[]);
             }
             return Err(e);
         }
@@ -250,6 +257,7 @@ impl Comm for RecvComm {
         else {
             return Ok(None);
         };
+        st.hold(id.slot, &[]);
         if r.dead {
             return Err(match st.peer.link.dead {
                 Some(_) => st.peer.link.dead_error(),
@@ -321,7 +329,7 @@ impl Drop for RecvComm {
         // checks what its Bye said).
         let may_send = st.path == Path::Tagged && st.peer.id != 0 && st.peer.link.dead.is_none();
         st.peer.say_bye(self.seat.ep(), 0);
-        let deadline = Instant::now() + self.dev.peer_timeout;
+        let timeout = self.dev.peer_timeout;
         if st.path == Path::Rdma && st.busy() && st.peer.bye_said {
             // The sender answers when it is next progressed: by NCCL, or by
             // its keeper (hurried here for a sender in this process; another
@@ -329,7 +337,7 @@ impl Drop for RecvComm {
             close_wait(
                 st,
                 &self.seat,
-                deadline,
+                timeout,
                 |st| !st.peer.bye_heard && st.peer.link.dead.is_none(),
                 "with buffers offered, the sender did not answer its Bye: it may still write into them",
             );
@@ -340,7 +348,7 @@ impl Drop for RecvComm {
         close_wait(
             st,
             &self.seat,
-            deadline,
+            timeout,
             RecvState::holds_posted,
             "the provider did not return posted receives: it may still write into them",
         );
@@ -407,6 +415,14 @@ impl Side for RecvState {
 }
 
 impl RecvState {
+    /// Request `slot` holds the registrations of `bufs` (none: lets go).
+    fn hold(&mut self, slot: u32, bufs: &[RecvBuf]) {
+        let at = slot as usize * MAX_RECVS;
+        for (i, h) in self.holds[at..at + MAX_RECVS].iter_mut().enumerate() {
+            *h = bufs.get(i).and_then(|b| b.hold.cloned());
+        }
+    }
+
     /// After the sender's `Bye`, what can never come fails: RDMA, every
     /// request not finished (all it sent arrived before its Bye; eager
     /// messages wait in the stash for receives posted later); tagged, once

@@ -492,18 +492,23 @@ impl Comm for SendComm {
     fn wire_id(&self) -> Option<(u32, u32)> {
         Some((self.seat.id, self.seat.token))
     }
-    /// Never: see the module's "Liveness" (a write may still read its
-    /// source, but nothing of NCCL's is written).
+    /// Never: nothing of NCCL's is posted to be written, and a closing send
+    /// comm waits for its writes (see the module's "Liveness").
     fn endpoint_open(&self) -> bool {
         false
     }
 }
 
 impl Drop for SendComm {
-    /// Says `Bye`. What the provider refuses for now (`-FI_EAGAIN`, e.g.
-    /// while writes are in flight) is sent here, progressing, since nobody
-    /// will send it later: up to `WEFT_PEER_TIMEOUT` (a receive comm that is
-    /// closing waits for it).
+    /// Says `Bye`, and waits, progressing, up to `WEFT_PEER_TIMEOUT` while
+    /// the peer lives: for what the provider refused for now (`-FI_EAGAIN`,
+    /// e.g. while writes are in flight), since nobody will send it later (a
+    /// receive comm that is closing waits for it); and for writes in flight,
+    /// whose source NCCL may free or reuse once the close returns (see the
+    /// module's "Liveness"). Not for tagged sends: one the receiver has not
+    /// matched completes only once it posts a receive or closes, which in
+    /// one process (two ranks, one thread closing both) may be after this
+    /// close.
     fn drop(&mut self) {
         let st = &mut *lock(&self.inner);
         let sent = st.sent_tagged;
@@ -511,9 +516,9 @@ impl Drop for SendComm {
         close_wait(
             st,
             &self.seat,
-            Instant::now() + self.dev.peer_timeout,
-            |st| !st.peer.owed.is_empty() && st.peer.link.dead.is_none(),
-            "the provider took none of its last control messages: its peer finds out by its silence",
+            self.dev.peer_timeout,
+            |st| (!st.peer.owed.is_empty() || st.writing()) && st.peer.link.dead.is_none(),
+            "its writes in flight or its last control messages did not complete: the provider may still read NCCL's buffers, and the peer finds out by its silence",
         );
     }
 }
@@ -632,6 +637,13 @@ impl Side for SendState {
 }
 
 impl SendState {
+    /// Whether a write into an offered buffer is in flight.
+    fn writing(&self) -> bool {
+        self.reqs
+            .live()
+            .any(|i| self.reqs.get(i).is_some_and(|r| !r.done && r.dst.is_some()))
+    }
+
     /// Where in `offers` the buffer for message `k` of `tag` is.
     fn offer(&self, tag: i32, k: u32) -> Option<usize> {
         self.offers
@@ -694,7 +706,12 @@ impl SendState {
     /// the link; anything else is dropped.
     fn on_ack(&mut self, seat: &Seat, token: u32, src: FiAddr, bytes: &[u8]) -> Result<()> {
         if seat.hub.sources() && src != self.listener.addr {
-            tracing::debug!("send comm: dropped a message from {src:#x} while connecting");
+            // Only the listener's endpoint knows a connecting comm's id.
+            tracing::warn!(
+                "send comm connecting to {}: dropped a message from address {src:#x}, not the listener's ({:#x})",
+                self.peer.link.name,
+                self.listener.addr
+            );
             return Ok(());
         }
         match Ctrl::decode(bytes) {
