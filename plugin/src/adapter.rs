@@ -343,9 +343,9 @@ pub struct CommConfig {
 ///
 /// # Safety
 /// `p` is NULL or NCCL's handle buffer of `NCCL_NET_HANDLE_MAXSIZE` bytes.
-unsafe fn handle<'a>(p: *mut c_void) -> Result<&'a mut [u8; crate::proto::wire::HANDLE_SIZE]> {
+unsafe fn handle<'a>(p: *mut c_void) -> Result<&'a mut [u8; crate::nccl::HANDLE_SIZE]> {
     // SAFETY: NCCL's handle buffer is NCCL_NET_HANDLE_MAXSIZE (128) bytes.
-    unsafe { p.cast::<[u8; crate::proto::wire::HANDLE_SIZE]>().as_mut() }
+    unsafe { p.cast::<[u8; crate::nccl::HANDLE_SIZE]>().as_mut() }
         .ok_or_else(|| Error::internal("NULL connection handle"))
 }
 

@@ -81,7 +81,7 @@ pub const PARAMS: &[Param] = &[
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReducerRef {
     /// The handle itself.
-    Handle([u8; crate::proto::wire::HANDLE_SIZE]),
+    Handle([u8; crate::nccl::HANDLE_SIZE]),
     /// A file holding it in hex.
     File(std::path::PathBuf),
 }
@@ -90,7 +90,7 @@ impl std::fmt::Display for ReducerRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ReducerRef::Handle(h) => {
-                write!(f, "handle {}…", &crate::proto::wire::hex(h)[..16])
+                write!(f, "handle {}…", &crate::nccl::hex(h)[..16])
             }
             ReducerRef::File(p) => write!(f, "{}", p.display()),
         }
@@ -428,10 +428,10 @@ impl Config {
             c.collnet_reducers = list("WEFT_COLLNET_REDUCERS", &v)?
                 .into_iter()
                 .map(|item| {
-                    if item.len() == 2 * crate::proto::wire::HANDLE_SIZE
+                    if item.len() == 2 * crate::nccl::HANDLE_SIZE
                         && item.bytes().all(|b| b.is_ascii_hexdigit())
                     {
-                        ReducerRef::Handle(crate::proto::wire::handle_from_hex(&item).expect("hex"))
+                        ReducerRef::Handle(crate::nccl::handle_from_hex(&item).expect("hex"))
                     } else {
                         ReducerRef::File(item.into())
                     }
@@ -572,7 +572,7 @@ mod tests {
 
     #[test]
     fn reducers_are_handles_or_files() {
-        let hex = "0a".repeat(crate::proto::wire::HANDLE_SIZE);
+        let hex = "0a".repeat(crate::nccl::HANDLE_SIZE);
         let c = with(&[(
             "WEFT_COLLNET_REDUCERS",
             &format!("/run/r0.handle, {hex},{}", &hex[2..]),
@@ -582,7 +582,7 @@ mod tests {
             c.collnet_reducers,
             [
                 ReducerRef::File("/run/r0.handle".into()),
-                ReducerRef::Handle([0x0a; crate::proto::wire::HANDLE_SIZE]),
+                ReducerRef::Handle([0x0a; crate::nccl::HANDLE_SIZE]),
                 // One digit short: not a handle, so a file name (reading it fails at connect).
                 ReducerRef::File(hex[2..].into()),
             ]

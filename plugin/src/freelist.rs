@@ -134,11 +134,11 @@ pub trait Registrar {
         &self,
         ptr: NonNull<u8>,
         len: usize,
-        kind: crate::gpu::MemKind,
+        kind: crate::memkind::MemKind,
     ) -> Result<Option<(Self::Registration, MrDesc)>, String> {
         match kind {
             // SAFETY: forwarded contract.
-            crate::gpu::MemKind::Host => unsafe { self.register(ptr, len) },
+            crate::memkind::MemKind::Host => unsafe { self.register(ptr, len) },
             other => Err(format!(
                 "this registrar registers host memory only, not {other:?}"
             )),
@@ -182,6 +182,32 @@ impl Registrar for NoRegistration {
 /// registered block is never copy-on-write in a forked child: fork-safe.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HostPages;
+
+/// Device memory as a freelist's [`MemorySource`]: GPU
+/// buffers whose metadata (the `Elem`s) lives on the host, as the freelist
+/// was designed for.
+#[derive(Debug, Clone, Copy)]
+pub struct CudaMemory {
+    pub dev: i32,
+}
+
+impl MemorySource for CudaMemory {
+    fn alloc(&self, bytes: usize) -> Result<NonNull<u8>, String> {
+        crate::gpu::driver()
+            .map_err(|e| e.to_string())?
+            .alloc(self.dev, bytes)
+    }
+    unsafe fn free(&self, ptr: NonNull<u8>, _bytes: usize) {
+        if let Ok(d) = crate::gpu::driver() {
+            // SAFETY: forwarded contract.
+            unsafe { d.free(self.dev, ptr) };
+        }
+    }
+    fn granularity(&self) -> usize {
+        // cuMemAlloc aligns to at least 256 bytes; a GPU page is 64 KiB.
+        64 << 10
+    }
+}
 
 impl MemorySource for HostPages {
     fn alloc(&self, bytes: usize) -> Result<NonNull<u8>, String> {

@@ -22,14 +22,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-/// What a buffer is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum MemKind {
-    /// Host memory (pageable or pinned).
-    Host,
-    /// CUDA device memory of this device ordinal.
-    Cuda(i32),
-}
+pub use crate::memkind::MemKind;
 
 /// Why CUDA is not used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -320,29 +313,5 @@ impl Driver {
                 )
             })
         })
-    }
-}
-
-/// Device memory as a freelist's [`crate::freelist::MemorySource`]: GPU
-/// buffers whose metadata (the `Elem`s) lives on the host, as the freelist
-/// was designed for.
-#[derive(Debug, Clone, Copy)]
-pub struct CudaMemory {
-    pub dev: i32,
-}
-
-impl crate::freelist::MemorySource for CudaMemory {
-    fn alloc(&self, bytes: usize) -> Result<NonNull<u8>, String> {
-        driver().map_err(|e| e.to_string())?.alloc(self.dev, bytes)
-    }
-    unsafe fn free(&self, ptr: NonNull<u8>, _bytes: usize) {
-        if let Ok(d) = driver() {
-            // SAFETY: forwarded contract.
-            unsafe { d.free(self.dev, ptr) };
-        }
-    }
-    fn granularity(&self) -> usize {
-        // cuMemAlloc aligns to at least 256 bytes; a GPU page is 64 KiB.
-        64 << 10
     }
 }

@@ -34,7 +34,9 @@ pub mod fabric;
 pub mod freelist;
 pub mod gpu;
 pub mod log;
+pub mod memkind;
 pub mod mr;
+pub mod nccl;
 pub mod proto;
 
 // The exported tables: one line per API version and family, generated from

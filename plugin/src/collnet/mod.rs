@@ -47,7 +47,7 @@ use crate::config::ReducerRef;
 use crate::core::handles::Registry;
 use crate::core::{self, props, RecvArg};
 use crate::error::{Error, Result};
-use crate::proto::wire::HANDLE_SIZE;
+use crate::nccl::HANDLE_SIZE;
 use reduce::{DataType, RedOp};
 use wire::{Header, Join, GREETING_LEN, HEADER_TAG, HELLO_TAG};
 
@@ -175,7 +175,7 @@ fn reducer_handles() -> Result<Vec<[u8; HANDLE_SIZE]>> {
                         "WEFT_COLLNET_REDUCERS: cannot read {f}: {e}; start `weft-reducer --handle-file {f}` first, or fix the list"
                     ))
                 })?;
-                crate::proto::wire::handle_from_hex(&text).ok_or_else(|| {
+                crate::nccl::handle_from_hex(&text).ok_or_else(|| {
                     Error::usage(format!(
                         "WEFT_COLLNET_REDUCERS: {f} holds no reducer handle ({} hex digits, as `weft-reducer --handle-file` writes)",
                         2 * HANDLE_SIZE

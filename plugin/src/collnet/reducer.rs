@@ -32,7 +32,7 @@ use super::wire::{self, Header, Join, GREETING_LEN, HEADER_TAG, HELLO_TAG};
 use super::{op_tags, recv, send};
 use crate::core::{self, props};
 use crate::error::{Error, Result};
-use crate::proto::wire::HANDLE_SIZE;
+use crate::nccl::HANDLE_SIZE;
 
 /// Operations of a group in progress at once (more are queued).
 pub const ACTIVE: usize = 2;

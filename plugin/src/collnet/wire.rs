@@ -4,7 +4,7 @@
 //! little-endian, fixed size, checked field by field on arrival: a peer's
 //! garbage is an error naming the field, never a crash or a wrong reduction.
 
-use crate::proto::wire::HANDLE_SIZE;
+use crate::nccl::HANDLE_SIZE;
 
 use super::reduce::{DataType, RedOp};
 
@@ -272,7 +272,7 @@ mod tests {
             ..header()
         };
         assert_eq!(Header::decode(&bye.encode()), Ok(bye));
-        use crate::proto::wire::{handle_from_hex, hex};
+        use crate::nccl::{handle_from_hex, hex};
         let h = [0xa5u8; HANDLE_SIZE];
         assert_eq!(handle_from_hex(&format!(" {}\n", hex(&h))), Some(h));
         assert_eq!(handle_from_hex("abc"), None);

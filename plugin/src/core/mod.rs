@@ -22,10 +22,10 @@ pub use props::Properties;
 
 use crate::config::{self, Config};
 use crate::device;
-use crate::fabric::{Domain, DomainRegistrar, Mr};
+use crate::fabric::{Domain, Mr};
 use crate::gpu::MemKind;
 use crate::log::NcclDebugLogger;
-use crate::mr::{MrCache, Region};
+use crate::mr::{DomainRegistrar, MrCache, Region};
 use crate::proto::wire::{self, HANDLE_SIZE};
 use crate::proto::{self, heartbeat_period, Protocol, RecvBuf, ReqId};
 use handles::{Registry, ReqKind};
@@ -1182,7 +1182,7 @@ pub fn gpu_freelist(
     dev: i32,
     gpu: i32,
     p: crate::freelist::Params,
-) -> Result<crate::freelist::Freelist<crate::gpu::CudaMemory, crate::fabric::KindRegistrar>> {
+) -> Result<crate::freelist::Freelist<crate::freelist::CudaMemory, crate::mr::KindRegistrar>> {
     let d = physical(&*plugin()?, dev)?;
     if !d.cuda {
         return Err(Error::usage(format!(
@@ -1190,11 +1190,11 @@ pub fn gpu_freelist(
             d.dev.domain
         )));
     }
-    let reg = crate::fabric::KindRegistrar {
+    let reg = crate::mr::KindRegistrar {
         domain: DomainRegistrar(Arc::clone(&d.domain)),
         kind: MemKind::Cuda(gpu),
     };
-    crate::freelist::Freelist::new(crate::gpu::CudaMemory { dev: gpu }, reg, p)
+    crate::freelist::Freelist::new(crate::freelist::CudaMemory { dev: gpu }, reg, p)
         .map_err(|e| Error::system(e.to_string()))
 }
 

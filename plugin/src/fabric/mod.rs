@@ -23,7 +23,7 @@ pub use domain::{Domain, Fabric};
 pub use ep::Endpoint;
 pub use error::{strerror, FiError};
 pub use info::{Hints, InfoList, InfoRef, OwnedInfo};
-pub use mr::{test_hmem_as_system, DomainRegistrar, KindRegistrar, Mr, ACCESS_ALL};
+pub use mr::{test_hmem_as_system, Mr, ACCESS_ALL};
 
 /// Provider settings Weft chooses where the operator set none: (variable,
 /// value, why). libfabric reads them once per process, at its first

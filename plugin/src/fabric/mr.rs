@@ -7,8 +7,7 @@ use libfabric_sys as fi;
 
 use super::domain::{close_fid, Domain};
 use super::error::{check, FiError};
-use crate::freelist::{MrDesc, Registrar};
-use crate::gpu::MemKind;
+use crate::memkind::MemKind;
 
 /// A registered memory region; deregistered on drop.
 #[derive(Debug)]
@@ -253,74 +252,4 @@ impl Drop for Mr {
 pub fn test_hmem_as_system() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *V.get_or_init(|| std::env::var("WEFT_TEST_HMEM").is_ok_and(|v| v == "system"))
-}
-
-/// Registers freelist blocks and cached ranges with a domain: host memory,
-/// or with [`Registrar::register_kind`], device memory.
-#[derive(Debug, Clone)]
-pub struct DomainRegistrar(pub Arc<Domain>);
-
-impl Registrar for DomainRegistrar {
-    type Registration = Mr;
-    unsafe fn register(
-        &self,
-        ptr: std::ptr::NonNull<u8>,
-        len: usize,
-    ) -> Result<Option<(Mr, MrDesc)>, String> {
-        // SAFETY: forwarded contract.
-        unsafe { self.register_kind(ptr, len, MemKind::Host) }
-    }
-    unsafe fn register_kind(
-        &self,
-        ptr: std::ptr::NonNull<u8>,
-        len: usize,
-        kind: MemKind,
-    ) -> Result<Option<(Mr, MrDesc)>, String> {
-        // SAFETY: forwarded contract: the range stays allocated while the Mr lives.
-        let mr = unsafe { Mr::register_kind(&self.0, ptr.as_ptr(), len, ACCESS_ALL, kind) };
-        described(mr)
-    }
-    unsafe fn register_dmabuf(
-        &self,
-        ptr: std::ptr::NonNull<u8>,
-        len: usize,
-        dev: i32,
-        fd: i32,
-        offset: u64,
-    ) -> Result<Option<(Mr, MrDesc)>, String> {
-        // SAFETY: forwarded contract.
-        let mr =
-            unsafe { Mr::register_dmabuf(&self.0, ptr.as_ptr(), len, ACCESS_ALL, dev, fd, offset) };
-        described(mr)
-    }
-}
-
-/// A registration with the descriptor a freelist or cache keeps of it.
-fn described(mr: Result<Mr, FiError>) -> Result<Option<(Mr, MrDesc)>, String> {
-    let mr = mr.map_err(|e| e.to_string())?;
-    let d = MrDesc {
-        desc: mr.desc(),
-        key: mr.key(),
-    };
-    Ok(Some((mr, d)))
-}
-
-/// Registers a freelist's blocks as memory of one kind (a GPU-backed
-/// freelist's: `MemKind::Cuda(dev)`).
-#[derive(Debug, Clone)]
-pub struct KindRegistrar {
-    pub domain: DomainRegistrar,
-    pub kind: MemKind,
-}
-
-impl Registrar for KindRegistrar {
-    type Registration = Mr;
-    unsafe fn register(
-        &self,
-        ptr: std::ptr::NonNull<u8>,
-        len: usize,
-    ) -> Result<Option<(Mr, MrDesc)>, String> {
-        // SAFETY: forwarded contract.
-        unsafe { self.domain.register_kind(ptr, len, self.kind) }
-    }
 }

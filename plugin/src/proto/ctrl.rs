@@ -29,8 +29,9 @@ use super::wire::{Ctrl, CTRL_MAX};
 use super::DeviceState;
 use crate::error::{Error, Result};
 use crate::fabric::local::{self, LocalEp, Locality};
-use crate::fabric::{DomainRegistrar, Endpoint, FiAddr, FiError};
+use crate::fabric::{Endpoint, FiAddr, FiError};
 use crate::freelist::{Elem, Freelist, HostPages, Params};
+use crate::mr::DomainRegistrar;
 
 /// Bytes before a control message: the id of the comm it is for, and the
 /// sending comm's token.

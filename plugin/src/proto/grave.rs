@@ -24,8 +24,9 @@ use std::time::{Duration, Instant};
 use super::hub::{context, data_tag};
 use super::pool::SLOT_ALIGN;
 use super::wire::Ctrl;
-use crate::fabric::{DomainRegistrar, Endpoint, FiAddr};
+use crate::fabric::{Endpoint, FiAddr};
 use crate::freelist::{Elem, Freelist, HostPages, Params};
+use crate::mr::DomainRegistrar;
 
 /// The context's low 32 bits for a grave's receives are this and above
 /// (its receive number in the low byte); no comm's own are: those are

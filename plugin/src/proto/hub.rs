@@ -347,7 +347,7 @@ impl Hub {
     /// send (see [`super::grave`]).
     pub fn dig(&self, closed: Closed) {
         let ep = self.ep(Port::Passive);
-        let registrar = crate::fabric::DomainRegistrar(Arc::clone(ep.domain()));
+        let registrar = crate::mr::DomainRegistrar(Arc::clone(ep.domain()));
         lock(&self.graves).dig(ep, registrar, closed);
     }
 

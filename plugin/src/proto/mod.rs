@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use crate::device::Device;
 use crate::error::Result;
-use crate::fabric::{Domain, DomainRegistrar};
-use crate::mr::MrCache;
+use crate::fabric::Domain;
+use crate::mr::{DomainRegistrar, MrCache};
 
 pub mod comms;
 pub(crate) mod cq;

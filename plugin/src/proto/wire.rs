@@ -27,8 +27,7 @@
 //! checked on receipt, so a truncated or forged message is refused with a
 //! message and changes nothing.
 
-/// Size of NCCL's handle buffer (`NCCL_NET_HANDLE_MAXSIZE`).
-pub const HANDLE_SIZE: usize = 128;
+pub use crate::nccl::{handle_from_hex, hex, unhex, HANDLE_SIZE};
 /// First bytes of every Weft handle.
 pub const HANDLE_MAGIC: [u8; 4] = *b"WEFT";
 /// Version of the handle and handshake format.
@@ -262,29 +261,6 @@ pub fn decode_any(h: &[u8; HANDLE_SIZE]) -> Result<(Vec<ListenHandle>, bool), Ha
         return Err(HandleError::Rails("stray bytes after the rails".into()));
     }
     Ok((rails, true))
-}
-
-/// Bytes as lower-case hex: how handles travel in text (handle files,
-/// `weft-reducer`'s output, the tests' peer processes).
-pub fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-/// Hex back to bytes (surrounding blanks ignored); `None` if it is not
-/// whole hex bytes.
-pub fn unhex(s: &str) -> Option<Vec<u8>> {
-    let s = s.trim();
-    if s.len() % 2 != 0 || !s.is_ascii() {
-        return None;
-    }
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok())
-        .collect()
-}
-
-/// A handle from its hex.
-pub fn handle_from_hex(s: &str) -> Option<[u8; HANDLE_SIZE]> {
-    unhex(s)?.try_into().ok()
 }
 
 /// Reads the connect stage: `Ok(None)` if none, `Ok(Some(ptr))` if one is in

@@ -19,8 +19,9 @@
 use std::ffi::{c_int, c_void, CString};
 
 use weft::core::{self, props};
+use weft::freelist::CudaMemory;
 use weft::freelist::{Freelist, Params};
-use weft::gpu::{self, CudaMemory};
+use weft::gpu;
 use weft_tests::host;
 
 /// A function of the fake driver (found through the library already
