@@ -10,6 +10,8 @@
 //! asks for a provider `FI_PROVIDER` hides from libfabric is an error naming
 //! both).
 
+#![forbid(unsafe_code)]
+
 use std::time::Duration;
 
 /// One documented parameter.

@@ -5,6 +5,8 @@
 //! one kept domain wins. `WEFT_IFACE` keeps only the named domains (not applied
 //! to shm, whose one domain is the host).
 
+#![forbid(unsafe_code)]
+
 use crate::config::Config;
 use crate::fabric::{FiError, Hints, InfoList, OwnedInfo};
 

@@ -1,6 +1,8 @@
 //! Weft's error type and the result classes adapters map to `ncclResult_t`,
 //! shared by the core and every protocol.
 
+#![forbid(unsafe_code)]
+
 use crate::config::ConfigError;
 use crate::device::DiscoveryError;
 use crate::fabric::FiError;

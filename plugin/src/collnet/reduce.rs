@@ -16,6 +16,8 @@
 //! buffers need not be aligned for the type, so elements are read and
 //! written by value.
 
+#![forbid(unsafe_code)]
+
 use half::{bf16, f16};
 
 /// `ncclDataType_t`.

@@ -4,6 +4,8 @@
 //! little-endian, fixed size, checked field by field on arrival: a peer's
 //! garbage is an error naming the field, never a crash or a wrong reduction.
 
+#![forbid(unsafe_code)]
+
 use crate::nccl::HANDLE_SIZE;
 
 use super::reduce::{DataType, RedOp};

@@ -13,6 +13,8 @@
 //! generation, or a closed comm, and is refused instead of consuming a newer
 //! request's completion.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::hash::{BuildHasherDefault, Hasher};

@@ -23,6 +23,8 @@
 //! leaves no thread behind; a keeper still stuck in the provider then is
 //! left to itself with a warning rather than hanging `finalize`.
 
+#![forbid(unsafe_code)]
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};

@@ -1,5 +1,7 @@
 //! Device properties: the superset of every `ncclNetProperties_vN_t` field.
 
+#![forbid(unsafe_code)]
+
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 

@@ -1,5 +1,7 @@
 //! Reading a completion queue: whole batches, the first error after.
 
+#![forbid(unsafe_code)]
+
 use crate::error::Result;
 use crate::fabric::{Completion, CompletionError, Cq, CqError, FiAddr};
 

@@ -40,6 +40,8 @@
 //! another is waited for, so NCCL's proxy threads, each driving its own
 //! comms, and the keeper never block one another.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -6,6 +6,8 @@
 //! ([`hurry`]) without knowing that thread: the keeper registers a
 //! [`Waker`] here.
 
+#![forbid(unsafe_code)]
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
 use std::sync::{Mutex, MutexGuard, TryLockError, Weak};

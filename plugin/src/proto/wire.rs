@@ -27,6 +27,8 @@
 //! checked on receipt, so a truncated or forged message is refused with a
 //! message and changes nothing.
 
+#![forbid(unsafe_code)]
+
 pub use crate::nccl::{handle_from_hex, hex, unhex, HANDLE_SIZE};
 /// First bytes of every Weft handle.
 pub const HANDLE_MAGIC: [u8; 4] = *b"WEFT";
