@@ -25,6 +25,10 @@ pub struct Forger {
     id: Cell<u32>,
     /// The token messages carry (see [`Forger::sign`]).
     token: Cell<u32>,
+    /// How long a send waits for the provider to take it before it is given
+    /// up (see [`Forger::impatient`]); `None`: until the tests' timeout,
+    /// then a panic.
+    patience: Cell<Option<std::time::Duration>>,
 }
 
 /// The forger's own token (what it signs with unless told otherwise).
@@ -73,6 +77,7 @@ impl Forger {
             _domain: domain,
             id: Cell::new(0),
             token: Cell::new(OWN_TOKEN),
+            patience: Cell::new(None),
         };
         f.post();
         f
@@ -162,7 +167,7 @@ impl Forger {
         mut progress: impl FnMut(),
     ) {
         let mut c = [Completion::default(); 4];
-        crate::poll_until(what, || {
+        self.until(what, || {
             match send() {
                 Ok(()) => return Some(()),
                 Err(e) if e.is_again() => {}
@@ -172,6 +177,28 @@ impl Forger {
             progress();
             None
         });
+    }
+
+    /// From now on a send the provider does not take within `d` is given up
+    /// silently (a third party aiming at peers that may have died: rxm
+    /// refuses sends to them for ever).
+    pub fn impatient(&self, d: std::time::Duration) {
+        self.patience.set(Some(d));
+    }
+
+    /// [`crate::poll_until`], or, when impatient, `None` after the patience.
+    fn until<T>(&self, what: &str, mut step: impl FnMut() -> Option<T>) -> Option<T> {
+        let Some(d) = self.patience.get() else {
+            return Some(crate::poll_until(what, step));
+        };
+        let start = std::time::Instant::now();
+        while start.elapsed() < d {
+            if let Some(v) = step() {
+                return Some(v);
+            }
+            std::thread::yield_now();
+        }
+        None
     }
 
     /// The next control message that arrives (polls once; `None` if none).
@@ -315,7 +342,7 @@ impl Forger {
         mut post: impl FnMut() -> Result<(), weft::fabric::FiError>,
         mut progress: impl FnMut(),
     ) -> Result<(), String> {
-        crate::poll_until(what, || match post() {
+        let posted = self.until(what, || match post() {
             Ok(()) => Some(()),
             Err(e) if e.is_again() => {
                 progress();
@@ -323,6 +350,9 @@ impl Forger {
             }
             Err(e) => panic!("forger, {what}: {e}"),
         });
+        if posted.is_none() {
+            return Err(format!("{what}: the provider took nothing (gave up)"));
+        }
         self.wait_for(ctx, what, progress)
     }
 
