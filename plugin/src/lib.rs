@@ -1,8 +1,9 @@
 //! Weft: an NCCL network plugin over libfabric.
 //!
 //! This crate builds `libnccl_net_weft.so`. The NCCL plugin tables it exports
-//! are generated from version descriptors (see `ARCHITECTURE.md`); the crate
-//! itself is the version-free core: fabric wrappers, logging, configuration.
+//! are generated from version descriptors (see the README's "Version machinery"); the
+//! crate itself is the version-free core, in layers that
+//! `docs/architecture.md` draws and `tests/tests/layers.rs` checks.
 //!
 //! Exports: rustc links a cdylib with its own version script that makes every
 //! symbol local except `#[no_mangle]` public items, and the only such items in
