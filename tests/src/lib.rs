@@ -288,6 +288,24 @@ pub fn rerun_isolated() -> bool {
     true
 }
 
+/// Two tests of `f(provider)`, `$tcp` on tcp and `$shm` on shm, each in a
+/// process of its own.
+#[macro_export]
+macro_rules! both {
+    ($f:ident: $tcp:ident, $shm:ident) => {
+        #[test]
+        fn $tcp() {
+            $crate::isolated!();
+            $f("tcp");
+        }
+        #[test]
+        fn $shm() {
+            $crate::isolated!();
+            $f("shm");
+        }
+    };
+}
+
 /// Runs the enclosing test in a process of its own (see [`rerun_isolated`]).
 #[macro_export]
 macro_rules! isolated {

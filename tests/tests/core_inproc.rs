@@ -477,17 +477,10 @@ fn close_send_with_a_write_in_flight(provider: &str) {
     core::close_recv(r).unwrap();
 }
 
-#[test]
-fn tcp_close_send_with_a_write_in_flight() {
-    weft_tests::isolated!();
-    close_send_with_a_write_in_flight("tcp");
-}
-
-#[test]
-fn shm_close_send_with_a_write_in_flight() {
-    weft_tests::isolated!();
-    close_send_with_a_write_in_flight("shm");
-}
+weft_tests::both!(
+    close_send_with_a_write_in_flight: tcp_close_send_with_a_write_in_flight,
+    shm_close_send_with_a_write_in_flight
+);
 
 #[test]
 fn iflush_on_host_memory_is_a_null_request() {

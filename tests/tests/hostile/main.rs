@@ -14,7 +14,7 @@ use weft::proto::MAX_PENDING;
 use weft_tests::capture::{lines, weft_test_capture_logger};
 use weft_tests::forge::Forger;
 use weft_tests::host::*;
-use weft_tests::{poll_until, status_kb};
+use weft_tests::{both, poll_until, status_kb};
 
 /// A context whose log lines are captured.
 fn init_logged(provider: &str) -> *mut c_void {
@@ -33,21 +33,6 @@ fn logged(text: &str) -> usize {
 
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
-}
-
-macro_rules! both {
-    ($f:ident: $tcp:ident, $shm:ident) => {
-        #[test]
-        fn $tcp() {
-            weft_tests::isolated!();
-            $f("tcp");
-        }
-        #[test]
-        fn $shm() {
-            weft_tests::isolated!();
-            $f("shm");
-        }
-    };
 }
 
 /// A handle with a consistent check value whose address is empty or shorter
