@@ -101,6 +101,26 @@ impl Peer {
         weft::fabric::local::remove_shm_regions(self.child.id());
     }
 
+    /// The local ports of the peer's TCP sockets (its endpoints' listening
+    /// and connected ones), from its fds and the namespace's `/proc/net/tcp`.
+    pub fn tcp_ports(&self) -> Vec<u16> {
+        let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
+            .map(|d| {
+                d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                    .filter_map(|l| {
+                        let l = l.to_string_lossy().into_owned();
+                        Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        tcp_sockets()
+            .into_iter()
+            .filter(|s| inodes.contains(&s.inode))
+            .map(|s| s.local_port)
+            .collect()
+    }
+
     /// Asks the peer to quit and checks it exited cleanly.
     pub fn quit(mut self) {
         self.start("quit");
@@ -193,4 +213,38 @@ impl Server {
         }
         Ok(line.trim().to_owned())
     }
+}
+
+/// One line of `/proc/net/tcp` (IPv4; Weft's tests run on 127.0.0.1).
+#[derive(Debug, Clone)]
+pub struct TcpSocket {
+    /// Local and remote ports.
+    pub local_port: u16,
+    pub remote_port: u16,
+    /// The kernel's state number (1 established, 8 close-wait, 10 listen).
+    pub state: u8,
+    /// The socket's inode, as `/proc/PID/fd` links name it.
+    pub inode: String,
+}
+
+/// The TCP sockets of this network namespace.
+pub fn tcp_sockets() -> Vec<TcpSocket> {
+    let text = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    let port = |a: &str| {
+        a.rsplit(':')
+            .next()
+            .and_then(|p| u16::from_str_radix(p, 16).ok())
+    };
+    text.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            Some(TcpSocket {
+                local_port: port(f.get(1)?)?,
+                remote_port: port(f.get(2)?)?,
+                state: u8::from_str_radix(f.get(3)?, 16).ok()?,
+                inode: (*f.get(9)?).to_owned(),
+            })
+        })
+        .collect()
 }

@@ -444,15 +444,14 @@ fn close_with_requests_in_flight() {
     core::dereg_mr(s, smh).unwrap();
 }
 
-/// An rdma send comm closed with its write in flight (NCCL's abort, or a
-/// rank that finished its sends and closes): the close returns only once
-/// the provider is done reading NCCL's buffer, so what NCCL puts there
-/// after the close never reaches the peer, whose receive gets exactly what
-/// was sent. 32 MiB: far more than the sockets hold, so the write is still
-/// in flight when the close begins. (Tagged sends are not waited for: see
-/// the README's "Close in flight".)
-fn close_send_with_a_write_in_flight(provider: &str) {
-    std::env::set_var("WEFT_PROTOCOL", "rdma");
+/// A send comm closed with its send in flight (NCCL's abort, or a rank
+/// that finished its sends and closes): the close returns only once the
+/// provider is done reading NCCL's buffer, so what NCCL puts there after
+/// the close never reaches the peer, whose receive gets exactly what was
+/// sent. 32 MiB: far more than the sockets hold, so the write (rdma) or
+/// rendezvous (sendrecv) is still in flight when the close begins.
+fn close_send_with_a_send_in_flight(provider: &str, protocol: &str) {
+    std::env::set_var("WEFT_PROTOCOL", protocol);
     let ctx = init(provider);
     let (s, r) = pair(ctx);
     let len = 32 << 20;
@@ -466,21 +465,29 @@ fn close_send_with_a_write_in_flight(provider: &str) {
     // NCCL reuses (or frees) the buffer once the close returned.
     src.fill(0xEE);
     let d = wait(rq);
-    assert_eq!(d.sizes[0], len, "{provider}: received size");
+    assert_eq!(d.sizes[0], len, "{provider} {protocol}: received size");
     let changed = dst.iter().zip(&want).filter(|(a, b)| a != b).count();
     assert_eq!(
         changed, 0,
-        "{provider}: {changed} bytes arrived as the buffer held them after closeSend returned"
+        "{provider} {protocol}: {changed} bytes arrived as the buffer held them after closeSend returned"
     );
     core::dereg_mr(s, smh).unwrap();
     core::dereg_mr(r, rmh).unwrap();
     core::close_recv(r).unwrap();
 }
 
-weft_tests::both!(
-    close_send_with_a_write_in_flight: tcp_close_send_with_a_write_in_flight,
-    shm_close_send_with_a_write_in_flight
-);
+mod close_send_with_a_send_in_flight {
+    macro_rules! variants {
+        ($($name:ident: $provider:literal $protocol:literal),+) => {$(
+            #[test]
+            fn $name() {
+                weft_tests::isolated!();
+                super::close_send_with_a_send_in_flight($provider, $protocol);
+            }
+        )+};
+    }
+    variants!(tcp_rdma: "tcp" "rdma", shm_rdma: "shm" "rdma", tcp_sendrecv: "tcp" "sendrecv", shm_sendrecv: "shm" "sendrecv");
+}
 
 #[test]
 fn iflush_on_host_memory_is_a_null_request() {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use weft::core;
 use weft_tests::capture::{lines, weft_test_capture_logger};
 use weft_tests::host;
-use weft_tests::peer::{hex, unhex, Peer};
+use weft_tests::peer::{hex, tcp_sockets, unhex, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_weft-peer");
 
@@ -72,8 +72,9 @@ fn shm_connect_to_closed_listener_fails() {
 
 const SIZE: usize = 1 << 20;
 
-/// Registers `out` (one message) and `inb` (four) and leaves 4 sends on `s`
-/// and 4 receives on `r` in flight (the peer matches none of them).
+/// Registers `out` (one message) and `inb` (four), checks that a send of
+/// `out` on `s` is held (no receive for it), and leaves 4 receives on `r`
+/// in flight (the peer matches none of them).
 fn in_flight(
     s: *mut c_void,
     r: *mut c_void,
@@ -82,37 +83,32 @@ fn in_flight(
 ) -> (*mut c_void, *mut c_void, Vec<(&'static str, *mut c_void)>) {
     let smh = host::reg(s, out);
     let rmh = host::reg(r, inb);
-    let mut reqs: Vec<_> = if core::protocol_name().unwrap() == "rdma" {
-        // Receiver-driven: a send the peer offered no buffer for is never
-        // started (isend answers NULL), so only receives can be in flight.
-        for _ in 0..100 {
-            let q = host::isend_raw(
-                s,
-                out.as_ptr() as *mut c_void,
-                out.len(),
-                5,
-                smh,
-                std::ptr::null_mut(),
-            );
-            assert!(
-                matches!(q, Ok(None)),
-                "rdma: a send without an offer: {q:?}"
-            );
-        }
-        Vec::new()
-    } else {
-        (0..4)
-            .map(|_| ("send", host::isend(s, out, 5, smh)))
-            .collect()
-    };
+    // Receiver-driven for large messages on both protocols: a send the
+    // peer offered (rdma) or announced (sendrecv) no buffer for is never
+    // started (isend answers NULL), so only receives can be in flight.
+    for _ in 0..100 {
+        let q = host::isend_raw(
+            s,
+            out.as_ptr() as *mut c_void,
+            out.len(),
+            5,
+            smh,
+            std::ptr::null_mut(),
+        );
+        assert!(
+            matches!(q, Ok(None)),
+            "a large send without a receive: {q:?}"
+        );
+    }
+    let mut reqs = Vec::new();
     for chunk in inb.chunks_mut(SIZE) {
         reqs.push(("receive", host::irecv(r, &mut [chunk], &[5], &[rmh])));
     }
     (smh, rmh, reqs)
 }
 
-/// Send and receive comms to a peer process, with 4 sends and 4 receives of
-/// 1 MiB in flight that the peer never matches. While the peer lives (idle,
+/// Send and receive comms to a peer process, with 4 receives of 1 MiB in
+/// flight that the peer never matches (and a send it never took). While the peer lives (idle,
 /// waiting on stdin) for more than twice the timeout, nothing fails; once it
 /// is SIGKILLed, every request fails with a remote error naming it.
 fn dead_peer_mid_transfer(provider: &str) {
@@ -459,4 +455,86 @@ fn shm_busy_listener_still_answers() {
 #[test]
 fn shm_busy_listener_still_answers_sendrecv() {
     busy_listener_still_answers("shm", "sendrecv");
+}
+
+/// Under sendrecv on tcp;ofi_rxm, a rank sends a large message (rxm
+/// rendezvous: only a request travels) before its peer posted the receive,
+/// and is killed. libfabric's rxm keeps the request in its unexpected queue
+/// with a pointer to the connection, frees the connection when it sees the
+/// shutdown, and a receive posted later matches the request and reads
+/// through the freed connection (`rxm_rndv_read` on a NULL endpoint): the
+/// surviving rank's process died of SIGSEGV inside `fi_trecv` (found by the
+/// soak). A sender now sends a message above rxm's eager limit only into a
+/// receive its peer announced as posted (`Posted`), so the request never
+/// waits unexpected. Here the large send is held, the small one behind it
+/// arrives, the kill is seen by the host's provider (the peer's TCP
+/// connections closed on this side), and the receive posted afterwards
+/// fails as a dead peer's should; the host's other pair keeps moving data.
+#[test]
+fn tcp_sendrecv_large_send_of_a_killed_rank_never_crashes_its_peer() {
+    weft_tests::isolated!();
+    const T: u64 = 5;
+    std::env::set_var("WEFT_PROTOCOL", "sendrecv");
+    std::env::set_var("WEFT_PEER_TIMEOUT", T.to_string());
+    let mut peer = Peer::spawn(PEER);
+    peer.cmd("init tcp");
+    let ctx = host::init("tcp");
+    let (s, r) = peer.pair(ctx);
+    let (s2, r2) = host::pair(ctx);
+    host::send_verified(s2, r2, 1, 1000);
+    let held = peer.cmd(&format!("post-send {SIZE} 1 2000"));
+    println!("tcp: the 1 MiB send no receive was posted for: {held}");
+    assert_eq!(
+        held, "ok held",
+        "a large send waits for its receive to be announced"
+    );
+    // A small message behind it: once it is here, so is whatever went first.
+    peer.cmd("send 1 100 2");
+    let mut small = vec![0u8; 100];
+    let mh = host::reg(r, &small);
+    let q = host::irecv(r, &mut [&mut small[..]], &[2], &[mh]);
+    assert_eq!(host::wait(q).sizes[0], 100);
+    let ports = peer.tcp_ports();
+    assert!(!ports.is_empty(), "the peer has TCP sockets");
+    let killed = Instant::now();
+    peer.kill();
+    weft_tests::poll_until(
+        "the host's provider to close the dead peer's connections",
+        || {
+            host::send_verified(s2, r2, 1, 64);
+            // Established or close-wait on this side: not yet closed by rxm.
+            let open = tcp_sockets()
+                .iter()
+                .filter(|t| ports.contains(&t.remote_port) && matches!(t.state, 1 | 8))
+                .count();
+            (open == 0).then_some(())
+        },
+    );
+    println!(
+        "tcp: the host closed its connections to the killed peer after {:?}",
+        killed.elapsed()
+    );
+    let mut big = vec![0u8; SIZE];
+    let bmh = host::reg(r, &big);
+    let q = host::irecv(r, &mut [&mut big[..]], &[1], &[bmh]);
+    let err = weft_tests::poll_until("the receive from the dead peer to fail", || {
+        host::send_verified(s2, r2, 1, 64);
+        match core::test(q) {
+            Ok(None) => None,
+            Ok(Some(d)) => panic!("tcp: a receive from a dead peer completed: {d:?}"),
+            Err(e) => Some(e),
+        }
+    });
+    println!(
+        "tcp: the receive failed {:?} after the kill: {err}",
+        killed.elapsed()
+    );
+    assert_eq!(err.code, core::Code::Remote, "{err}");
+    assert!(err.msg.contains("declared dead"), "{err}");
+    host::send_verified(s2, r2, 3, 1 << 20);
+    core::dereg_mr(r, mh).unwrap();
+    core::dereg_mr(r, bmh).unwrap();
+    host::close_pair(s, r);
+    host::close_pair(s2, r2);
+    core::finalize(ctx).unwrap();
 }

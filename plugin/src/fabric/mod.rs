@@ -50,6 +50,17 @@ pub fn provider_defaults() {
     });
 }
 
+/// The largest message libfabric's rxm sends eagerly (its `buffer_size`,
+/// `FI_OFI_RXM_BUFFER_SIZE`, 16 KiB by default in 1.17 and 2.x); anything
+/// larger goes as a rendezvous: a request first, the data read by the
+/// receiver once a receive matches it.
+pub fn rxm_eager_limit() -> usize {
+    std::env::var("FI_OFI_RXM_BUFFER_SIZE")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(16 << 10)
+}
+
 /// `FI_MR_ENDPOINT`: binds `domain`'s registrations to `ep` from now on
 /// (Weft binds them to each device's passive hub endpoint; exported for
 /// tests of the fabric layer). `ep` must outlive them.

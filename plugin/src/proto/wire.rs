@@ -33,7 +33,9 @@ pub use crate::nccl::{handle_from_hex, hex, unhex, HANDLE_SIZE};
 /// First bytes of every Weft handle.
 pub const HANDLE_MAGIC: [u8; 4] = *b"WEFT";
 /// Version of the handle and handshake format.
-pub const HANDLE_VERSION: u16 = 2;
+/// 3: tagged receivers announce their large receives ([`Ctrl::Posted`]);
+/// a sender of version 2 would not wait for them.
+pub const HANDLE_VERSION: u16 = 3;
 /// Largest endpoint address a handle carries.
 pub const MAX_ADDR: usize = 88;
 /// Where the listener's comm id sits in the handle.
@@ -391,6 +393,14 @@ pub enum Ctrl {
         /// Bytes the sender had.
         size: u64,
     },
+    /// Tagged receiver -> sender: receives of these tags are posted with
+    /// the provider, `(tag, count)`: `count` receives of `tag` so far
+    /// (wrapping). A message larger than the Ack's `eager` goes only into
+    /// an announced receive (see the comms module's "Tagged").
+    Posted {
+        /// 1 ..= [`super::MAX_RECVS`] entries, one per tag.
+        counts: Vec<(i32, u32)>,
+    },
 }
 
 /// One buffer offered by an [`Ctrl::Rtr`].
@@ -442,6 +452,9 @@ pub enum CtrlError {
     /// An Rtr naming no buffers, or more than a grouped receive has.
     #[error("ready-to-receive message with {0} buffers (must be 1 ..= {n})", n = super::MAX_RECVS)]
     RtrCount(usize),
+    /// A Posted naming no tags, or more than a grouped receive has.
+    #[error("posted-receives message with {0} tags (must be 1 ..= {n})", n = super::MAX_RECVS)]
+    PostedCount(usize),
 }
 
 const KIND_CONN: u8 = 1;
@@ -454,6 +467,10 @@ const KIND_TRUNC: u8 = 7;
 const KIND_BYE: u8 = 8;
 const KIND_EAGER: u8 = 9;
 const KIND_FAILED: u8 = 10;
+const KIND_POSTED: u8 = 11;
+/// Bytes before a Posted's entries, and per entry.
+const POSTED_HEAD: usize = 8;
+const POSTED_ENTRY: usize = 8;
 /// Where the address of a Conn or Ack starts.
 const ADDR_AT: usize = 28;
 
@@ -561,6 +578,17 @@ impl Ctrl {
                 out[7] = 0;
                 out[8..12].fill(0);
                 12
+            }
+            Ctrl::Posted { counts } => {
+                let n = counts.len().min(super::MAX_RECVS);
+                out[6] = KIND_POSTED;
+                out[7] = n as u8;
+                for (i, (tag, count)) in counts[..n].iter().enumerate() {
+                    let at = POSTED_HEAD + i * POSTED_ENTRY;
+                    out[at..at + 4].copy_from_slice(&tag.to_le_bytes());
+                    out[at + 4..at + 8].copy_from_slice(&count.to_le_bytes());
+                }
+                POSTED_HEAD + n * POSTED_ENTRY
             }
             Ctrl::Bye { sent } => {
                 out[6] = KIND_BYE;
@@ -670,6 +698,22 @@ impl Ctrl {
                 data: buf[EAGER_HEAD..].to_vec(),
             }),
             KIND_BYE => Ok(Ctrl::Bye { sent: u32_at(8) }),
+            KIND_POSTED => {
+                let n = usize::from(buf[7]);
+                if n == 0 || n > super::MAX_RECVS {
+                    return Err(CtrlError::PostedCount(n));
+                }
+                if buf.len() < POSTED_HEAD + n * POSTED_ENTRY {
+                    return Err(CtrlError::Truncated(buf.len()));
+                }
+                let counts = (0..n)
+                    .map(|i| {
+                        let at = POSTED_HEAD + i * POSTED_ENTRY;
+                        (u32_at(at) as i32, u32_at(at + 4))
+                    })
+                    .collect();
+                Ok(Ctrl::Posted { counts })
+            }
             KIND_CONN | KIND_ACK | KIND_WROTE | KIND_TRUNC | KIND_EAGER | KIND_FAILED => {
                 Err(CtrlError::Truncated(buf.len()))
             }
@@ -921,10 +965,33 @@ mod tests {
                 sub: 0,
                 size: 9,
             },
+            Ctrl::Posted {
+                counts: vec![(-1, u32::MAX)],
+            },
+            Ctrl::Posted {
+                counts: (0..super::super::MAX_RECVS as u32)
+                    .map(|i| (i as i32 * 7, i.wrapping_mul(0x0101_0101)))
+                    .collect(),
+            },
         ] {
             let n = m.encode(&mut b);
             assert_eq!(Ctrl::decode(&b[..n]).unwrap(), m);
         }
+    }
+
+    #[test]
+    fn posted_names_one_to_eight_tags_and_all_of_them() {
+        let mut b = [0u8; CTRL_MAX];
+        let n = Ctrl::Posted {
+            counts: vec![(1, 2), (3, 4)],
+        }
+        .encode(&mut b);
+        assert_eq!(n, 24);
+        assert_eq!(Ctrl::decode(&b[..n - 1]), Err(CtrlError::Truncated(23)));
+        b[7] = 0;
+        assert_eq!(Ctrl::decode(&b[..n]), Err(CtrlError::PostedCount(0)));
+        b[7] = 9;
+        assert_eq!(Ctrl::decode(&b[..n]), Err(CtrlError::PostedCount(9)));
     }
 
     proptest! {

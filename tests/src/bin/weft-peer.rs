@@ -14,6 +14,8 @@
 //! send <count> <size> <tag>   -> ok <bytes>    (window of 8, content from host::pattern)
 //! recv <count> <size> <tag>   -> ok <bytes>    (verified)
 //! poll <tag> <iterations>     -> ok            (progress with one receive posted for <tag>, never matched)
+//! post-send <size> <tag> <tries> -> ok posted | ok held   (one isend, retried up to <tries> times
+//!                                       while NULL; never waited for; the buffer stays until exit)
 //! rss                         -> rss <kB>
 //! quit                        -> (closes everything, exits 0)
 //! ```
@@ -326,6 +328,31 @@ impl Peer {
                 // The receive stays posted; it goes with the comm at quit.
                 std::mem::forget(b);
                 "ok".into()
+            }
+            Some("post-send") => {
+                let size = num(1)? as usize;
+                let b = pattern(0, num(2)? as i32, size);
+                let mh = host::reg(self.send, &b);
+                let mut posted = false;
+                for _ in 0..num(3)? {
+                    let q = host::isend_raw(
+                        self.send,
+                        b.as_ptr() as *mut c_void,
+                        size,
+                        num(2)? as i32,
+                        mh,
+                        std::ptr::null_mut(),
+                    )
+                    .map_err(|e| e.to_string())?;
+                    if q.is_some() {
+                        posted = true;
+                        break;
+                    }
+                    std::thread::yield_now();
+                }
+                // The send (if any) may still read it: it lives until exit.
+                std::mem::forget(b);
+                if posted { "ok posted" } else { "ok held" }.into()
             }
             Some("coll-listen") => {
                 let mut h = [0u8; 128];

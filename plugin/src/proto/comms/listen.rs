@@ -106,7 +106,9 @@ impl ListenComm {
                         credits: self.path.credits().0,
                         eager: match self.path {
                             Path::Rdma => self.seat.hub.eager_max() as u32,
-                            Path::Tagged => 0,
+                            Path::Tagged => {
+                                u32::try_from(super::unannounced_max(&self.dev)).unwrap_or(u32::MAX)
+                            }
                         },
                         id: rid,
                         addr: self.seat.hub.name(Port::Passive).to_vec(),

@@ -54,7 +54,15 @@
 //! batches of [`CREDIT_BATCH`] as its receives complete, so however fast a
 //! sender runs, the receiver's provider buffers at most [`CREDITS`]
 //! unexpected messages per comm (rxm buffers each, up to 16 KiB). An `isend`
-//! without credit returns a NULL request.
+//! without credit returns a NULL request. A message larger than the
+//! receiver's unannounced limit ([`unannounced_max`], stated in its `Ack`)
+//! goes only into a receive the receiver announced: it counts the receives
+//! it posted per tag and, on posting a large one, sends
+//! `Posted{(tag, count)...}`; the sender's k-th message of a tag waits (NULL
+//! request) until that count passed k. rxm keeps a large message that came
+//! before its receive as a rendezvous request pointing at the connection, and
+//! reads through it when a receive matches, even after it freed the
+//! connection of a sender that died: the receiving process crashed.
 //!
 //! **Liveness.** Both ends of a connected pair send `Alive` every heartbeat
 //! period (`WEFT_PEER_TIMEOUT` / 8), from the plugin's keeper thread, so a
@@ -86,16 +94,16 @@
 //! posted; tagged receives posted to the shared endpoint are cancelled, and
 //! a receive fails only once the provider has returned every one of its
 //! buffers (a closed receive comm waits for that too, up to
-//! `WEFT_PEER_TIMEOUT`). A closing rdma send comm likewise waits for its
-//! writes in flight to complete (or fail, or the peer to be declared dead,
-//! or `WEFT_PEER_TIMEOUT`): until then the provider reads their source, and
-//! NCCL may free or reuse it once the close returns, so the receiver would
-//! be written whatever the memory then holds (and an unmapped source would
-//! crash the provider). A tagged send is not waited for (an unmatched one
-//! completes only when its receiver posts a receive or closes): rxm may
-//! still read its source for a rendezvous after the close. A send to a peer
-//! that died may still read its source until the provider gives up on the
-//! connection (reads only; the peer is gone).
+//! `WEFT_PEER_TIMEOUT`). A closing send comm likewise waits for its writes
+//! and tagged sends in flight to complete (or fail, or the peer to be
+//! declared dead, or `WEFT_PEER_TIMEOUT`): until then the provider reads
+//! their source, and NCCL may free or reuse it once the close returns, so
+//! the receiver would be given whatever the memory then holds (and an
+//! unmapped source would crash the provider). A tagged send completes in
+//! network time: a large one goes only into a receive the peer announced,
+//! a small one leaves at once. A send to a peer that died may still read
+//! its source until the provider gives up on the connection (reads only;
+//! the peer is gone).
 
 use std::collections::VecDeque;
 use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
@@ -132,6 +140,19 @@ pub const CREDITS: u32 = (super::MAX_REQUESTS * super::MAX_RECVS) as u32 + CREDI
 pub const EAGER_CREDITS: u32 = 16;
 /// Eager credits are returned once this many are owed.
 const EAGER_CREDIT_BATCH: u32 = 4;
+
+/// Tagged path: the largest message a sender sends before its receive is
+/// announced ([`Ctrl::Posted`](super::wire::Ctrl)): on libfabric's rxm its
+/// eager limit (anything larger travels as a rendezvous), elsewhere the
+/// provider's inject size. The receive comm says it in its `Ack`, so both
+/// ends use the receiver's figure.
+fn unannounced_max(dev: &DeviceState) -> usize {
+    if dev.dev.provider.contains("ofi_rxm") {
+        crate::fabric::rxm_eager_limit()
+    } else {
+        dev.dev.inject_size
+    }
+}
 
 /// How a comm's data travels (see the module's "Data").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

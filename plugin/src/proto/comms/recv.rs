@@ -104,6 +104,12 @@ struct RecvState {
     /// sender sent in all, from its `Bye`.
     matched: u32,
     peer_sent: Option<u32>,
+    /// Tagged: receives posted with the provider so far per tag (wrapping),
+    /// those to announce to the sender ([`Ctrl::Posted`]), and the size
+    /// above which a receive is announced (see the module's "Tagged").
+    posted_count: HashMap<i32, u32>,
+    announce: Vec<(i32, u32)>,
+    announce_above: usize,
     /// Tagged: the largest receive posted and the first tags posted (a
     /// grave drains with both: [`super::super::grave`]).
     max_cap: usize,
@@ -126,6 +132,7 @@ impl RecvComm {
         let reqs = Pool::new(MAX_REQUESTS).map_err(|e| Error::system(e.to_string()))?;
         let offsets = !dev.virt_addr();
         let peer = PeerLink::new(&seat);
+        let announce_above = super::unannounced_max(&dev);
         Ok(Self {
             dev,
             seat,
@@ -142,6 +149,9 @@ impl RecvComm {
                 to_post: VecDeque::new(),
                 matched: 0,
                 peer_sent: None,
+                posted_count: HashMap::new(),
+                announce: Vec::new(),
+                announce_above,
                 max_cap: 0,
                 tags: Vec::new(),
                 holds: vec![None; MAX_REQUESTS * MAX_RECVS],
@@ -592,7 +602,7 @@ impl RecvState {
             };
             match posted {
                 Ok(()) => {}
-                Err(e) if e.is_again() => return Ok(()),
+                Err(e) if e.is_again() => return self.announce_posted(seat),
                 Err(e) => return Err(e.into()),
             }
             if let Some(r) = self.reqs.get_mut(slot) {
@@ -602,8 +612,30 @@ impl RecvState {
                 if self.tags.len() < GRAVE_TAGS && !self.tags.contains(&tag) {
                     self.tags.push(tag);
                 }
+                let count = self.posted_count.entry(tag).or_insert(0);
+                *count = count.wrapping_add(1);
+                if r.caps[s] as usize > self.announce_above {
+                    match self.announce.iter_mut().find(|(t, _)| *t == tag) {
+                        Some(e) => e.1 = *count,
+                        None => self.announce.push((tag, *count)),
+                    }
+                }
             }
             self.to_post.pop_front();
+        }
+        self.announce_posted(seat)
+    }
+
+    /// Tagged: tells the sender which large receives are now posted, so it
+    /// sends into them (never ahead of them: libfabric's rxm keeps a large
+    /// message that arrives before its receive as a rendezvous request that
+    /// points at the connection, and reads through it once a receive
+    /// matches, even after it freed the connection of a peer that died).
+    fn announce_posted(&mut self, seat: &Seat) -> Result<()> {
+        while !self.announce.is_empty() {
+            let n = self.announce.len().min(MAX_RECVS);
+            let counts: Vec<(i32, u32)> = self.announce.drain(..n).collect();
+            self.peer.send(seat.ep(), Ctrl::Posted { counts })?;
         }
         Ok(())
     }

@@ -70,6 +70,11 @@ struct SendState {
     eager_max: usize,
     /// The largest message injected (tagged).
     inject_max: usize,
+    /// Tagged: the largest message sent before its receive is announced
+    /// (the receiver's, from its Ack), and the receives announced so far
+    /// per tag ([`Ctrl::Posted`]; at most [`ANNOUNCED_TAGS`] tags).
+    unannounced_max: usize,
+    announced: HashMap<i32, u32>,
     /// Scratch for encoding an eager message.
     scratch: Vec<u8>,
     /// Tagged data messages sent (wrapping; the receiver learns it from
@@ -129,6 +134,8 @@ impl SendComm {
                 max_credits: 0,
                 eager_max: 0,
                 inject_max,
+                unannounced_max: 0,
+                announced: HashMap::new(),
                 scratch: Vec::new(),
                 sent_tagged: 0,
             }),
@@ -225,6 +232,13 @@ impl SendComm {
                 return Ok(None);
             }
         }
+        let number = st.sent.get(&tag).copied().unwrap_or(0);
+        if size > st.unannounced_max && !st.is_announced(tag, number) {
+            st.progress(&self.seat)?;
+            if !st.is_announced(tag, number) {
+                return Ok(None);
+            }
+        }
         let inject = size <= st.inject_max;
         let Some((_, idx)) = st.reqs.insert(SReq {
             size,
@@ -263,6 +277,7 @@ impl SendComm {
             Ok(()) => {
                 st.credits -= 1;
                 st.sent_tagged = st.sent_tagged.wrapping_add(1);
+                st.sent.insert(tag, number.wrapping_add(1));
                 Ok(Self::req_id(st, idx))
             }
             Err(e) => {
@@ -503,12 +518,9 @@ impl Drop for SendComm {
     /// Says `Bye`, and waits, progressing, up to `WEFT_PEER_TIMEOUT` while
     /// the peer lives: for what the provider refused for now (`-FI_EAGAIN`,
     /// e.g. while writes are in flight), since nobody will send it later (a
-    /// receive comm that is closing waits for it); and for writes in flight,
-    /// whose source NCCL may free or reuse once the close returns (see the
-    /// module's "Liveness"). Not for tagged sends: one the receiver has not
-    /// matched completes only once it posts a receive or closes, which in
-    /// one process (two ranks, one thread closing both) may be after this
-    /// close.
+    /// receive comm that is closing waits for it); and for writes and
+    /// tagged sends in flight, whose source NCCL may free or reuse once the
+    /// close returns (see the module's "Liveness").
     fn drop(&mut self) {
         let st = &mut *lock(&self.inner);
         let sent = st.sent_tagged;
@@ -517,8 +529,8 @@ impl Drop for SendComm {
             st,
             &self.seat,
             self.dev.peer_timeout,
-            |st| (!st.peer.owed.is_empty() || st.writing()) && st.peer.link.dead.is_none(),
-            "its writes in flight or its last control messages did not complete: the provider may still read NCCL's buffers, and the peer finds out by its silence",
+            |st| (!st.peer.owed.is_empty() || st.reading()) && st.peer.link.dead.is_none(),
+            "its sends in flight or its last control messages did not complete: the provider may still read NCCL's buffers, and the peer finds out by its silence",
         );
     }
 }
@@ -636,12 +648,29 @@ impl Side for SendState {
     }
 }
 
+/// Tagged: most tags a send comm keeps receive announcements for (NCCL
+/// uses a handful per comm; a receiver naming more is not NCCL's).
+const ANNOUNCED_TAGS: usize = 1024;
+
 impl SendState {
-    /// Whether a write into an offered buffer is in flight.
-    fn writing(&self) -> bool {
-        self.reqs
-            .live()
-            .any(|i| self.reqs.get(i).is_some_and(|r| !r.done && r.dst.is_some()))
+    /// Tagged: whether the receiver announced its receive number `number`
+    /// of `tag` (wrapping counts).
+    fn is_announced(&self, tag: i32, number: u32) -> bool {
+        self.announced
+            .get(&tag)
+            .is_some_and(|&count| (count.wrapping_sub(number) as i32) > 0)
+    }
+
+    /// Whether the provider may still read a send's source: a write into an
+    /// offered buffer (rdma) or a tagged send (each goes into a receive the
+    /// peer posted, or is small enough to leave at once: it completes in
+    /// network time), not yet complete.
+    fn reading(&self) -> bool {
+        self.reqs.live().any(|i| {
+            self.reqs
+                .get(i)
+                .is_some_and(|r| !r.done && (r.dst.is_some() || self.path == Path::Tagged))
+        })
     }
 
     /// Where in `offers` the buffer for message `k` of `tag` is.
@@ -696,6 +725,23 @@ impl SendState {
                 // A peer can never grant more than it announced.
                 self.credits = self.credits.saturating_add(count).min(self.max_credits);
             }
+            Ok(Ctrl::Posted { counts }) if self.path == Path::Tagged => {
+                for (tag, count) in counts {
+                    let known = self.announced.len() < ANNOUNCED_TAGS;
+                    match self.announced.get_mut(&tag) {
+                        // Cumulative: an older announcement changes nothing.
+                        Some(c) if (count.wrapping_sub(*c) as i32) > 0 => *c = count,
+                        Some(_) => {}
+                        None if known => {
+                            self.announced.insert(tag, count);
+                        }
+                        None => tracing::warn!(
+                            "send comm to {}: ignored receives announced for tag {tag}, beyond {ANNOUNCED_TAGS} tags",
+                            self.peer.link.name
+                        ),
+                    }
+                }
+            }
             Ok(other) => tracing::warn!("send comm: ignored unexpected control message {other:?}"),
             Err(e) => tracing::warn!("send comm: ignored a bad control message: {e}"),
         }
@@ -736,7 +782,10 @@ impl SendState {
                 self.peer.link.heard = true;
                 self.max_credits = credits.clamp(1, self.path.credits().0);
                 self.credits = self.max_credits;
+                // rdma: the largest eager message; tagged: the largest sent
+                // before its receive is announced.
                 self.eager_max = (eager as usize).min(seat.hub.eager_max());
+                self.unannounced_max = eager as usize;
                 self.connect.connected();
                 // The first Alive confirms the connection to `accept`.
                 self.peer.send(seat.ep(), Ctrl::Alive).map_err(|e| {
