@@ -925,6 +925,13 @@ fn through_a_reducer_process(provider: &str) {
     across(provider, 3, count);
     let log = reducer.finish();
     println!("{provider}: weft-reducer said:\n{log}");
+    // Its comms to ranks that had closed and exited close at once: before,
+    // their answering Bye, refused for ever once a rank's process was gone
+    // (seen under load), held each close for WEFT_PEER_TIMEOUT (2 x 60 s).
+    assert!(
+        !log.contains("closing the send comm"),
+        "{provider}: a close of the reducer waited: {log}"
+    );
     let bytes = 3 * count * 4;
     assert!(
         log.contains(&format!(

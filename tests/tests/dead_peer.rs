@@ -538,3 +538,76 @@ fn tcp_sendrecv_large_send_of_a_killed_rank_never_crashes_its_peer() {
     host::close_pair(s2, r2);
     core::finalize(ctx).unwrap();
 }
+
+/// The end of a job: the peer process closes its receive comm (its `Bye`
+/// arrives) and exits, and only then this process closes the send comm to
+/// it: the close returns within a heartbeat period, whatever becomes of
+/// its answering `Bye`. (A reducer closing its comms to ranks that had
+/// exited found that `Bye` refused for ever under load and waited the whole
+/// `WEFT_PEER_TIMEOUT` for each; here the provider takes it, so this test
+/// guards the close's other waits, and `collnet::*_through_a_reducer_process`
+/// checks the reducer's log for that wait.) Both protocols, tcp and shm.
+fn close_send_after_the_peer_closed_and_exited(provider: &str, protocol: &str) {
+    const T: u64 = 16;
+    std::env::set_var("WEFT_PROTOCOL", protocol);
+    std::env::set_var("WEFT_PEER_TIMEOUT", T.to_string());
+    let mut peer = Peer::spawn(PEER);
+    peer.cmd(&format!("init {provider}"));
+    let ctx = host::init(provider);
+    let (s, r) = peer.pair(ctx);
+    let (s2, r2) = host::pair(ctx);
+    core::close_recv(r).unwrap();
+    let ports = peer.tcp_ports();
+    peer.quit();
+    let out = vec![7u8; SIZE];
+    let smh = host::reg(s, &out);
+    // A large send is held until the peer offers or announces a buffer; its
+    // Bye makes it an error.
+    let err = weft_tests::poll_until("the peer's Bye", || {
+        host::isend_raw(
+            s,
+            out.as_ptr() as *mut c_void,
+            SIZE,
+            5,
+            smh,
+            std::ptr::null_mut(),
+        )
+        .err()
+    });
+    assert!(err.msg.contains("closed"), "{provider} {protocol}: {err}");
+    // tcp: until this side's provider has seen the connections end (then a
+    // message to the peer starts a new connection that is refused, again
+    // and again), with another pair keeping the device's endpoints busy.
+    weft_tests::poll_until("the peer's connections to close on this side", || {
+        host::send_verified(s2, r2, 1, 64);
+        let open = tcp_sockets()
+            .iter()
+            .filter(|t| ports.contains(&t.remote_port) && matches!(t.state, 1 | 8))
+            .count();
+        (open == 0).then_some(())
+    });
+    core::dereg_mr(s, smh).unwrap();
+    let t = Instant::now();
+    core::close_send(s).unwrap();
+    let took = t.elapsed();
+    println!("{provider} {protocol}: closeSend after the peer closed and exited took {took:?}");
+    assert!(
+        took < Duration::from_secs(T / 8 + 2),
+        "{provider} {protocol}: closeSend took {took:?} (WEFT_PEER_TIMEOUT = {T} s)"
+    );
+    host::close_pair(s2, r2);
+    core::finalize(ctx).unwrap();
+}
+
+mod close_send_after_the_peer_closed_and_exited {
+    macro_rules! variants {
+        ($($name:ident: $provider:literal $protocol:literal),+) => {$(
+            #[test]
+            fn $name() {
+                weft_tests::isolated!();
+                super::close_send_after_the_peer_closed_and_exited($provider, $protocol);
+            }
+        )+};
+    }
+    variants!(tcp_rdma: "tcp" "rdma", shm_rdma: "shm" "rdma", tcp_sendrecv: "tcp" "sendrecv", shm_sendrecv: "shm" "sendrecv");
+}

@@ -373,7 +373,7 @@ fn close_wait<S: Side>(
     seat: &Seat,
     timeout: std::time::Duration,
     waiting: impl Fn(&S) -> bool,
-    why: &str,
+    why: Option<&str>,
 ) {
     let deadline = Instant::now() + timeout;
     while waiting(st) {
@@ -387,11 +387,18 @@ fn close_wait<S: Side>(
             tracing::warn!("closing a {} {}: {e}", S::WHAT, st.peer().link.name);
         }
         if Instant::now() > deadline {
-            tracing::warn!(
-                "closing the {} {}: {why} (WEFT_PEER_TIMEOUT passed; raise it for peers that stall longer)",
-                S::WHAT,
-                st.peer().link.name,
-            );
+            match why {
+                Some(why) => tracing::warn!(
+                    "closing the {} {}: {why} (WEFT_PEER_TIMEOUT passed; raise it for peers that stall longer)",
+                    S::WHAT,
+                    st.peer().link.name,
+                ),
+                None => tracing::debug!(
+                    "closing the {} {}: gave up waiting after {timeout:?}",
+                    S::WHAT,
+                    st.peer().link.name,
+                ),
+            }
             break;
         }
         std::thread::yield_now();

@@ -349,7 +349,7 @@ impl Drop for RecvComm {
                 &self.seat,
                 timeout,
                 |st| !st.peer.bye_heard && st.peer.link.dead.is_none(),
-                "with buffers offered, the sender did not answer its Bye: it may still write into them",
+                Some("with buffers offered, the sender did not answer its Bye: it may still write into them"),
             );
         }
         if st.peer.link.dead.is_none() {
@@ -360,7 +360,7 @@ impl Drop for RecvComm {
             &self.seat,
             timeout,
             RecvState::holds_posted,
-            "the provider did not return posted receives: it may still write into them",
+            Some("the provider did not return posted receives: it may still write into them"),
         );
         if may_send {
             // What it still sends is drained into the hub's own memory.

@@ -520,17 +520,33 @@ impl Drop for SendComm {
     /// e.g. while writes are in flight), since nobody will send it later (a
     /// receive comm that is closing waits for it); and for writes and
     /// tagged sends in flight, whose source NCCL may free or reuse once the
-    /// close returns (see the module's "Liveness").
+    /// close returns (see the module's "Liveness"). Once the peer said
+    /// `Bye` itself, its answer is owed for one heartbeat period more at
+    /// most: a receive comm that waits for it is alive and takes it at once,
+    /// and one that closed may be gone with its process (then the provider
+    /// refuses the message for ever: a reducer closing its comms to ranks
+    /// that had exited waited the whole timeout for each).
     fn drop(&mut self) {
         let st = &mut *lock(&self.inner);
         let sent = st.sent_tagged;
         st.peer.say_bye(self.seat.ep(), sent);
+        let timeout = self.dev.peer_timeout;
         close_wait(
             st,
             &self.seat,
-            self.dev.peer_timeout,
-            |st| (!st.peer.owed.is_empty() || st.reading()) && st.peer.link.dead.is_none(),
-            "its sends in flight or its last control messages did not complete: the provider may still read NCCL's buffers, and the peer finds out by its silence",
+            timeout,
+            |st| {
+                (st.reading() || (!st.peer.owed.is_empty() && !st.peer.bye_heard))
+                    && st.peer.link.dead.is_none()
+            },
+            Some("its sends in flight or its last control messages did not complete: the provider may still read NCCL's buffers, and the peer finds out by its silence"),
+        );
+        close_wait(
+            st,
+            &self.seat,
+            heartbeat_period(timeout),
+            |st| !st.peer.owed.is_empty() && st.peer.link.dead.is_none(),
+            None,
         );
     }
 }
