@@ -245,6 +245,38 @@ pub mod capture {
     }
 }
 
+/// The `FI_*` and `WEFT_*` variables a caller may set for the tests (the
+/// runner's knobs of [`TEST_PARAMS`] and the soak's length); every other is
+/// removed by [`clean_env`].
+const KEPT: &[&str] = &[
+    "WEFT_TEST_TIMEOUT",
+    "WEFT_TEST_PLUGIN",
+    "WEFT_TEST_NCCL_HEADERS",
+    "WEFT_TEST_OFFLINE",
+    ISOLATED,
+    "WEFT_SOAK_SECS",
+];
+
+/// Makes a test's process independent of the caller's shell: removes every
+/// `FI_*` and `WEFT_*` variable but [`KEPT`] (a `FI_PROVIDER` or
+/// `WEFT_PROTOCOL` exported by the operator would otherwise reach the
+/// plugin and every child a test starts), then keeps libfabric's tcp on
+/// loopback (`FI_TCP_IFACE=lo`; tests on other interfaces set their own).
+/// Each test sets what it needs itself. Runs once, when the test starts in
+/// a process of its own (no other thread reads the environment then).
+fn clean_env() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        for (k, _) in std::env::vars_os() {
+            let Some(name) = k.to_str() else { continue };
+            if (name.starts_with("FI_") || name.starts_with("WEFT_")) && !KEPT.contains(&name) {
+                std::env::remove_var(&k);
+            }
+        }
+        std::env::set_var("FI_TCP_IFACE", "lo");
+    });
+}
+
 /// Set in a test's own process by [`rerun_isolated`].
 const ISOLATED: &str = "WEFT_TEST_ISOLATED"; // documented in TEST_PARAMS
 
@@ -257,9 +289,11 @@ const ISOLATED: &str = "WEFT_TEST_ISOLATED"; // documented in TEST_PARAMS
 /// with [`isolated!`]: under nextest, or in the child, this returns false and
 /// the test goes on; otherwise it runs the same test (by its thread's name,
 /// which libtest sets to the test's) in a child process, shows its output,
-/// fails if it failed, and returns true.
+/// fails if it failed, and returns true. In place, it first cleans the
+/// environment ([`clean_env`]).
 pub fn rerun_isolated() -> bool {
     if std::env::var_os("NEXTEST").is_some() || std::env::var_os(ISOLATED).is_some() {
+        clean_env();
         return false;
     }
     let Some(name) = std::thread::current()
@@ -269,6 +303,7 @@ pub fn rerun_isolated() -> bool {
     else {
         // One test thread (--test-threads=1): tests run one at a time on the
         // main thread, whose name is not the test's; run in place.
+        clean_env();
         return false;
     };
     let exe = std::env::current_exe().expect("current_exe");

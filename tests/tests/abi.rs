@@ -14,6 +14,7 @@ const PTR: usize = size_of::<usize>();
 
 #[test]
 fn properties_sizes() {
+    weft_tests::isolated!();
     assert_eq!(size_of::<g::net_v5::ncclNetProperties_v5_t>(), 48);
     assert_eq!(size_of::<g::net_v6::ncclNetProperties_v6_t>(), 48);
     assert_eq!(size_of::<g::net_v7::ncclNetProperties_v7_t>(), 56);
@@ -26,6 +27,7 @@ fn properties_sizes() {
 
 #[test]
 fn properties_offsets() {
+    weft_tests::isolated!();
     assert_eq!(offset_of!(g::net_v5::ncclNetProperties_v5_t, maxRecvs), 44);
     assert_eq!(offset_of!(g::net_v6::ncclNetProperties_v6_t, maxRecvs), 44);
     assert_eq!(offset_of!(g::net_v7::ncclNetProperties_v7_t, maxRecvs), 44);
@@ -87,6 +89,7 @@ fn properties_offsets() {
 
 #[test]
 fn net_member_counts() {
+    weft_tests::isolated!();
     let counts = [
         size_of::<g::net_v5::ncclNet_v5_t>(),
         size_of::<g::net_v6::ncclNet_v6_t>(),
@@ -103,6 +106,7 @@ fn net_member_counts() {
 
 #[test]
 fn collnet_member_counts() {
+    weft_tests::isolated!();
     let counts = [
         size_of::<g::collnet_v5::ncclCollNet_v5_t>(),
         size_of::<g::collnet_v6::ncclCollNet_v6_t>(),
@@ -121,6 +125,7 @@ fn collnet_member_counts() {
 /// the member offsets that moved.
 #[test]
 fn members_that_moved() {
+    weft_tests::isolated!();
     // v6 inserted regMrDmaBuf after regMr.
     assert_eq!(offset_of!(g::net_v5::ncclNet_v5_t, deregMr), 8 * PTR);
     assert_eq!(offset_of!(g::net_v6::ncclNet_v6_t, deregMr), 9 * PTR);

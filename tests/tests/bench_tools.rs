@@ -16,6 +16,7 @@ fn out_dir(name: &str) -> std::path::PathBuf {
 
 #[test]
 fn quick_run_writes_table_csv_json_and_png() {
+    weft_tests::isolated!();
     let dir = out_dir("run");
     let o = Command::new(BENCH)
         .args([
@@ -83,6 +84,7 @@ fn quick_run_writes_table_csv_json_and_png() {
 
 #[test]
 fn micro_costs_are_counted_under_callgrind() {
+    weft_tests::isolated!();
     let dir = out_dir("micro");
     let o = Command::new(BENCH)
         .args(["--quick", "--micro-only"])
@@ -127,6 +129,7 @@ fn micro_costs_are_counted_under_callgrind() {
 /// so. It asserts no figure: the curve is read, not tested.
 #[test]
 fn resource_curve_prints_its_table() {
+    weft_tests::isolated!();
     let exe = env!("CARGO_BIN_EXE_weft-resources");
     let o = Command::new(exe)
         .args([
@@ -188,6 +191,7 @@ fn resource_curve_prints_its_table() {
 /// the bytes each rank moved; it asserts no figure.
 #[test]
 fn collnet_bench_prints_its_table() {
+    weft_tests::isolated!();
     let o = Command::new(env!("CARGO_BIN_EXE_weft-collbench"))
         .args(["--quick", "--providers", "shm", "--reps", "1"])
         .output()

@@ -90,6 +90,7 @@ fn connect_on(a: &mut Peer, b: &mut Peer, dev: usize) {
 
 #[test]
 fn tcp_between_two_hosts() {
+    weft_tests::isolated!();
     let c = Cluster::new(2, 1).expect("the cluster");
     for protocol in ["rdma", "sendrecv"] {
         let mut a = peer_on(&c, 0, protocol, "30");
@@ -111,6 +112,7 @@ fn tcp_between_two_hosts() {
 /// sends it again; every byte still arrives verified.
 #[test]
 fn a_congested_link_drops_packets_and_every_byte_arrives() {
+    weft_tests::isolated!();
     let c = Cluster::new(2, 1).expect("the cluster");
     c.shape(1, 0, "200mbit", 24_000)
         .expect("tbf on host 1's rail");
@@ -142,6 +144,7 @@ fn a_congested_link_drops_packets_and_every_byte_arrives() {
 /// did are printed.
 #[test]
 fn faults_on_the_wire_and_every_byte_arrives() {
+    weft_tests::isolated!();
     let cases: [(&str, &[&str], u64); 4] = [
         ("1 % loss", &["--loss", "0.01"], 16),
         ("10 % loss", &["--loss", "0.10"], 4),
@@ -205,6 +208,7 @@ fn faults_on_the_wire_and_every_byte_arrives() {
 /// dead peer; nothing hangs.
 #[test]
 fn a_host_whose_link_goes_down_is_a_dead_peer() {
+    weft_tests::isolated!();
     const T: f64 = 2.0;
     let c = Cluster::new(2, 1).expect("the cluster");
     for protocol in ["rdma", "sendrecv"] {
@@ -250,6 +254,7 @@ fn a_host_whose_link_goes_down_is_a_dead_peer() {
 /// the comms, fds and RSS.
 #[test]
 fn eight_processes_on_four_hosts_all_to_all() {
+    weft_tests::isolated!();
     let c = Cluster::new(4, 1).expect("the cluster");
     let dir = std::env::temp_dir().join(format!("weft-alltoall-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -320,6 +325,7 @@ fn rail_pair(c: &Cluster, protocol: &str, rail: usize, timeout: &str) -> (Peer, 
 /// rail and not the other, as the kernel's counters of both rails show.
 #[test]
 fn two_rails_are_two_devices() {
+    weft_tests::isolated!();
     let c = Cluster::new(2, 2).expect("the cluster");
     for protocol in ["rdma", "sendrecv"] {
         for rail in 0..2 {
@@ -386,6 +392,7 @@ fn rail_1_down_mid_receive(
 /// on.
 #[test]
 fn a_rail_down_fails_its_comms_and_spares_the_other_rail() {
+    weft_tests::isolated!();
     const T: f64 = 2.0;
     let c = Cluster::new(2, 2).expect("the cluster");
     for protocol in ["rdma", "sendrecv"] {
@@ -449,6 +456,7 @@ fn fused_pair(c: &Cluster, protocol: &str, timeout: &str, stripe: &str) -> (Peer
 /// its share.
 #[test]
 fn a_virtual_device_stripes_over_two_rails() {
+    weft_tests::isolated!();
     let c = Cluster::new(2, 2).expect("the cluster");
     for protocol in ["rdma", "sendrecv"] {
         let (mut a, mut b, v) = fused_pair(&c, protocol, "30", "131072");
@@ -493,6 +501,7 @@ fn a_virtual_device_stripes_over_two_rails() {
 /// the other rail; see proto/stripe.rs), and says which rail.
 #[test]
 fn a_rail_down_fails_a_virtual_device_comm() {
+    weft_tests::isolated!();
     const T: f64 = 2.0;
     let c = Cluster::new(2, 2).expect("the cluster");
     for protocol in ["rdma", "sendrecv"] {

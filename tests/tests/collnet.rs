@@ -422,6 +422,7 @@ fn requests_in_flight(m: usize) {
 /// Support is claimed for every type and op implemented, and only those.
 #[test]
 fn reduce_support_is_what_is_implemented() {
+    weft_tests::isolated!();
     for ty in 0..12 {
         for op in 0..4 {
             assert!(collnet::reduce_support(ty, op), "type {ty} op {op}");

@@ -439,21 +439,25 @@ fn busy_listener_still_answers(provider: &str, protocol: &str) {
 
 #[test]
 fn tcp_busy_listener_still_answers() {
+    weft_tests::isolated!();
     busy_listener_still_answers("tcp", "rdma");
 }
 
 #[test]
 fn tcp_busy_listener_still_answers_sendrecv() {
+    weft_tests::isolated!();
     busy_listener_still_answers("tcp", "sendrecv");
 }
 
 #[test]
 fn shm_busy_listener_still_answers() {
+    weft_tests::isolated!();
     busy_listener_still_answers("shm", "rdma");
 }
 
 #[test]
 fn shm_busy_listener_still_answers_sendrecv() {
+    weft_tests::isolated!();
     busy_listener_still_answers("shm", "sendrecv");
 }
 

@@ -128,16 +128,19 @@ fn exchange(provider: &str) {
 
 #[test]
 fn tcp_rxm_on_loopback_exchanges_tagged_messages() {
+    weft_tests::isolated!();
     exchange("tcp;ofi_rxm");
 }
 
 #[test]
 fn shm_exchanges_tagged_messages() {
+    weft_tests::isolated!();
     exchange("shm");
 }
 
 #[test]
 fn unknown_provider_is_a_clear_error() {
+    weft_tests::isolated!();
     let err = weft::device::discover(&loopback("no-such-provider")).unwrap_err();
     let msg = err.to_string();
     assert!(
@@ -148,6 +151,7 @@ fn unknown_provider_is_a_clear_error() {
 
 #[test]
 fn garbage_peer_address_is_an_error_not_a_crash() {
+    weft_tests::isolated!();
     let (_domain, a, _b) = open_pair("tcp;ofi_rxm");
     // An address of the wrong family: rejected with a typed error.
     let bogus = [0xffu8; 64];

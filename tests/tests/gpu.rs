@@ -44,6 +44,7 @@ fn probe(mode: &str, lib: Option<&str>, env: &[(&str, &str)]) -> String {
 
 #[test]
 fn without_a_driver_weft_is_host_only_and_says_why() {
+    weft_tests::isolated!();
     let out = probe("status", None, &[]);
     assert!(out.contains("driver unavailable: no CUDA driver library (looked for libcuda.so"));
     assert!(
@@ -58,6 +59,7 @@ fn without_a_driver_weft_is_host_only_and_says_why() {
 /// offer no FI_HMEM, so nothing is claimed and the log says so.
 #[test]
 fn with_a_driver_but_this_libfabric_weft_is_host_only_and_says_why() {
+    weft_tests::isolated!();
     for provider in ["shm", "tcp"] {
         let out = probe("status", Some(FAKE), &[("WEFT_PROVIDER", provider)]);
         assert!(out.contains("driver ok, 1 device(s)"), "{provider}");
@@ -73,6 +75,7 @@ fn with_a_driver_but_this_libfabric_weft_is_host_only_and_says_why() {
 
 #[test]
 fn a_driver_without_a_symbol_weft_calls_is_not_used() {
+    weft_tests::isolated!();
     let out = probe("status", Some(FAKE_NO_ALLOC), &[]);
     assert!(out.contains("driver unavailable: the CUDA driver library lacks cuMemAlloc_v2"));
     assert!(out.contains("ptrSupport 0x1"));
@@ -80,6 +83,7 @@ fn a_driver_without_a_symbol_weft_calls_is_not_used() {
 
 #[test]
 fn a_driver_whose_init_fails_is_not_used() {
+    weft_tests::isolated!();
     let out = probe("status", Some(FAKE), &[("FAKE_CUDA_INIT_FAIL", "1")]);
     assert!(out.contains("cuInit failed: cuInit: CUDA_ERROR_NO_DEVICE (100)"));
     assert!(out.contains("ptrSupport 0x1"));
@@ -87,6 +91,7 @@ fn a_driver_whose_init_fails_is_not_used() {
 
 #[test]
 fn pointers_are_classified_by_the_driver() {
+    weft_tests::isolated!();
     let out = probe("classify", Some(FAKE), &[("FAKE_CUDA_DEVICES", "2")]);
     for line in [
         "host Host",
@@ -104,6 +109,7 @@ fn pointers_are_classified_by_the_driver() {
 /// cleanly when the driver runs out, and dropping the list frees it all.
 #[test]
 fn a_gpu_freelist_grows_then_fails_cleanly() {
+    weft_tests::isolated!();
     let out = probe("freelist", Some(FAKE), &[("FAKE_CUDA_ALLOC_LIMIT", "2")]);
     assert!(out.contains("elem 0 Cuda(0)") && out.contains("elem 16 Cuda(0)"));
     assert!(out.contains(
@@ -120,6 +126,7 @@ fn a_gpu_freelist_grows_then_fails_cleanly() {
 /// copies off, a registered GPU freelist, and iflush calling the driver.
 #[test]
 fn cuda_buffers_end_to_end_with_emulated_hmem() {
+    weft_tests::isolated!();
     for (provider, protocol) in [("shm", "rdma"), ("tcp", "rdma"), ("tcp", "sendrecv")] {
         let out = probe(
             "transfer",
@@ -226,6 +233,7 @@ fn says_dmabuf_missing(out: &str) -> bool {
 /// comes first).
 #[test]
 fn a_gpu_that_cannot_export_dmabufs_is_registered_by_address() {
+    weft_tests::isolated!();
     let out = probe(
         "transfer",
         Some(FAKE),

@@ -127,6 +127,7 @@ fn sm90_cubins(tool: &Path, lib: &Path, dir: &Path) -> Vec<(u64, usize)> {
 
 #[test]
 fn nccl_cut_to_sm90_keeps_exactly_its_cubins_and_still_loads() {
+    weft_tests::isolated!();
     let Some((lib, tool)) = inputs() else { return };
     let dir = scratch("sm90");
     let pruned = dir.join("libnccl.so.2");
@@ -179,6 +180,7 @@ fn nccl_cut_to_sm90_keeps_exactly_its_cubins_and_still_loads() {
 
 #[test]
 fn a_gpu_without_its_cubins_keeps_the_newest_ptx_it_can_compile() {
+    weft_tests::isolated!();
     let Some((lib, tool)) = inputs() else { return };
     let dir = scratch("ptx");
     // Blackwell (sm_100) against NCCL 2.23.4: no cubin of major 10, so what
@@ -199,6 +201,7 @@ fn a_gpu_without_its_cubins_keeps_the_newest_ptx_it_can_compile() {
 
 #[test]
 fn what_it_cannot_cut_is_an_error_and_writes_nothing() {
+    weft_tests::isolated!();
     let Some((lib, _)) = inputs() else { return };
     let dir = scratch("bad");
     let out = dir.join("out.so");

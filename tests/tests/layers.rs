@@ -164,6 +164,7 @@ impl<'ast> Visit<'ast> for Paths {
 
 #[test]
 fn no_import_runs_against_the_layers() {
+    weft_tests::isolated!();
     let root = src();
     let mut all = Vec::new();
     files(&root, &mut all);
@@ -233,6 +234,7 @@ fn no_import_runs_against_the_layers() {
 /// `super::super` path and in an expression.
 #[test]
 fn the_check_finds_an_edge_up() {
+    weft_tests::isolated!();
     let file: syn::File = syn::parse_str(
         "use crate::{error::Error, core::keeper};\n\
          fn f() { super::super::collnet::go(); let _ = crate::adapter::X; }",

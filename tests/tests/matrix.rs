@@ -12,6 +12,7 @@ const DEMO: &str = env!("CARGO_BIN_EXE_weft-demo");
 
 #[test]
 fn version_matrix() {
+    weft_tests::isolated!();
     let providers = ["tcp;ofi_rxm", "shm"];
     let protocols = ["rdma", "sendrecv"];
     let columns: Vec<(&str, &str)> = providers

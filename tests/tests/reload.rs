@@ -34,30 +34,36 @@ fn reload_with(version: u32, provider: &str, protocol: &str) {
 
 #[test]
 fn v11_reloads_over_tcp() {
+    weft_tests::isolated!();
     reload(11, "tcp");
 }
 
 #[test]
 fn v12_reloads_over_tcp() {
+    weft_tests::isolated!();
     reload(12, "tcp");
 }
 
 #[test]
 fn v11_reloads_over_shm() {
+    weft_tests::isolated!();
     reload(11, "shm");
 }
 
 #[test]
 fn v12_reloads_over_shm() {
+    weft_tests::isolated!();
     reload(12, "shm");
 }
 
 #[test]
 fn v12_reloads_over_tcp_sendrecv() {
+    weft_tests::isolated!();
     reload_with(12, "tcp", "sendrecv");
 }
 
 #[test]
 fn v12_reloads_over_shm_sendrecv() {
+    weft_tests::isolated!();
     reload_with(12, "shm", "sendrecv");
 }

@@ -62,6 +62,7 @@ fn field(line: &str, name: &str) -> u64 {
 #[test]
 #[ignore = "a separate command: ./weft soak [SECONDS] (it would double ./weft test's time)"]
 fn a_clusters_bad_day() {
+    weft_tests::isolated!();
     let secs: u64 = std::env::var("WEFT_SOAK_SECS")
         .ok()
         .and_then(|v| v.parse().ok())

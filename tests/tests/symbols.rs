@@ -19,6 +19,7 @@ fn plugin() -> PathBuf {
 
 #[test]
 fn exports_only_plugin_tables() {
+    weft_tests::isolated!();
     let so = plugin();
     assert!(
         so.exists(),
@@ -55,6 +56,7 @@ fn exports_only_plugin_tables() {
 
 #[test]
 fn nccl_and_rccl_names_are_laid_out_beside_the_cdylib() {
+    weft_tests::isolated!();
     let so = plugin();
     let dir = so.parent().expect("plugin dir");
     let real = std::fs::canonicalize(&so).expect("plugin exists");
@@ -75,6 +77,7 @@ fn nccl_and_rccl_names_are_laid_out_beside_the_cdylib() {
 /// (plugin/build.rs says why; tests/tests/reload.rs runs the cycle).
 #[test]
 fn plugin_is_linked_nodelete() {
+    weft_tests::isolated!();
     let so = plugin();
     let out = Command::new("readelf")
         .arg("-d")

@@ -44,10 +44,12 @@ fn memcheck(provider: &str) {
 
 #[test]
 fn tcp_reload_cycle_is_clean_under_memcheck() {
+    weft_tests::isolated!();
     memcheck("tcp");
 }
 
 #[test]
 fn shm_reload_cycle_is_clean_under_memcheck() {
+    weft_tests::isolated!();
     memcheck("shm");
 }

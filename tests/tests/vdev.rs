@@ -107,21 +107,25 @@ fn truncated(s: *mut std::ffi::c_void, r: *mut std::ffi::c_void, len: usize, cap
 
 #[test]
 fn one_rail_shm_rdma() {
+    weft_tests::isolated!();
     one_rail("shm", "rdma");
 }
 
 #[test]
 fn one_rail_shm_sendrecv() {
+    weft_tests::isolated!();
     one_rail("shm", "sendrecv");
 }
 
 #[test]
 fn one_rail_tcp_rdma() {
+    weft_tests::isolated!();
     one_rail("tcp", "rdma");
 }
 
 #[test]
 fn one_rail_tcp_sendrecv() {
+    weft_tests::isolated!();
     one_rail("tcp", "sendrecv");
 }
 
@@ -173,10 +177,12 @@ fn forged_header(protocol: &str, junk: &[u8]) {
 
 #[test]
 fn forged_header_rdma() {
+    weft_tests::isolated!();
     forged_header("rdma", &[0xAB; 24]);
 }
 
 #[test]
 fn short_header_sendrecv() {
+    weft_tests::isolated!();
     forged_header("sendrecv", &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
 }
