@@ -341,6 +341,29 @@ macro_rules! both {
     };
 }
 
+/// Runs `f(provider)` with `WEFT_PROTOCOL=protocol`, in a process of its
+/// own, for each `provider_protocol` listed:
+/// `weft_tests::each!(f: tcp_rdma, shm_sendrecv)` makes the tests
+/// `f::tcp_rdma` and `f::shm_sendrecv`.
+#[macro_export]
+macro_rules! each {
+    ($f:ident: $($variant:ident),+ $(,)?) => {
+        mod $f {
+            $(
+                #[test]
+                fn $variant() {
+                    $crate::isolated!();
+                    let (provider, protocol) = stringify!($variant)
+                        .split_once('_')
+                        .expect("a variant is provider_protocol");
+                    std::env::set_var("WEFT_PROTOCOL", protocol);
+                    super::$f(provider);
+                }
+            )+
+        }
+    };
+}
+
 /// Runs the enclosing test in a process of its own (see [`rerun_isolated`]).
 #[macro_export]
 macro_rules! isolated {

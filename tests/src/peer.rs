@@ -215,6 +215,20 @@ impl Server {
     }
 }
 
+/// Waits until this process holds no TCP connection to any of `ports`
+/// (established or close-wait: its provider has not closed it yet),
+/// calling `progress` meanwhile (something that keeps the endpoints read).
+pub fn until_closed_here(ports: &[u16], mut progress: impl FnMut()) {
+    crate::poll_until("this side's connections to the peer to close", || {
+        progress();
+        let open = tcp_sockets()
+            .iter()
+            .filter(|t| ports.contains(&t.remote_port) && matches!(t.state, 1 | 8))
+            .count();
+        (open == 0).then_some(())
+    });
+}
+
 /// One line of `/proc/net/tcp` (IPv4; Weft's tests run on 127.0.0.1).
 #[derive(Debug, Clone)]
 pub struct TcpSocket {

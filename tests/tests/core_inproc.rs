@@ -450,8 +450,8 @@ fn close_with_requests_in_flight() {
 /// the close never reaches the peer, whose receive gets exactly what was
 /// sent. 32 MiB: far more than the sockets hold, so the write (rdma) or
 /// rendezvous (sendrecv) is still in flight when the close begins.
-fn close_send_with_a_send_in_flight(provider: &str, protocol: &str) {
-    std::env::set_var("WEFT_PROTOCOL", protocol);
+fn close_send_with_a_send_in_flight(provider: &str) {
+    let protocol = std::env::var("WEFT_PROTOCOL").expect("set by each!");
     let ctx = init(provider);
     let (s, r) = pair(ctx);
     let len = 32 << 20;
@@ -476,18 +476,7 @@ fn close_send_with_a_send_in_flight(provider: &str, protocol: &str) {
     core::close_recv(r).unwrap();
 }
 
-mod close_send_with_a_send_in_flight {
-    macro_rules! variants {
-        ($($name:ident: $provider:literal $protocol:literal),+) => {$(
-            #[test]
-            fn $name() {
-                weft_tests::isolated!();
-                super::close_send_with_a_send_in_flight($provider, $protocol);
-            }
-        )+};
-    }
-    variants!(tcp_rdma: "tcp" "rdma", shm_rdma: "shm" "rdma", tcp_sendrecv: "tcp" "sendrecv", shm_sendrecv: "shm" "sendrecv");
-}
+weft_tests::each!(close_send_with_a_send_in_flight: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
 
 #[test]
 fn iflush_on_host_memory_is_a_null_request() {

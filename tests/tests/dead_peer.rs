@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use weft::core;
 use weft_tests::capture::{lines, weft_test_capture_logger};
 use weft_tests::host;
-use weft_tests::peer::{hex, tcp_sockets, unhex, Peer};
+use weft_tests::peer::{hex, unhex, until_closed_here, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_weft-peer");
 
@@ -502,18 +502,7 @@ fn tcp_sendrecv_large_send_of_a_killed_rank_never_crashes_its_peer() {
     assert!(!ports.is_empty(), "the peer has TCP sockets");
     let killed = Instant::now();
     peer.kill();
-    weft_tests::poll_until(
-        "the host's provider to close the dead peer's connections",
-        || {
-            host::send_verified(s2, r2, 1, 64);
-            // Established or close-wait on this side: not yet closed by rxm.
-            let open = tcp_sockets()
-                .iter()
-                .filter(|t| ports.contains(&t.remote_port) && matches!(t.state, 1 | 8))
-                .count();
-            (open == 0).then_some(())
-        },
-    );
+    until_closed_here(&ports, || host::send_verified(s2, r2, 1, 64));
     println!(
         "tcp: the host closed its connections to the killed peer after {:?}",
         killed.elapsed()
@@ -551,9 +540,9 @@ fn tcp_sendrecv_large_send_of_a_killed_rank_never_crashes_its_peer() {
 /// `WEFT_PEER_TIMEOUT` for each; here the provider takes it, so this test
 /// guards the close's other waits, and `collnet::*_through_a_reducer_process`
 /// checks the reducer's log for that wait.) Both protocols, tcp and shm.
-fn close_send_after_the_peer_closed_and_exited(provider: &str, protocol: &str) {
+fn close_send_after_the_peer_closed_and_exited(provider: &str) {
     const T: u64 = 16;
-    std::env::set_var("WEFT_PROTOCOL", protocol);
+    let protocol = std::env::var("WEFT_PROTOCOL").expect("set by each!");
     std::env::set_var("WEFT_PEER_TIMEOUT", T.to_string());
     let mut peer = Peer::spawn(PEER);
     peer.cmd(&format!("init {provider}"));
@@ -582,14 +571,7 @@ fn close_send_after_the_peer_closed_and_exited(provider: &str, protocol: &str) {
     // tcp: until this side's provider has seen the connections end (then a
     // message to the peer starts a new connection that is refused, again
     // and again), with another pair keeping the device's endpoints busy.
-    weft_tests::poll_until("the peer's connections to close on this side", || {
-        host::send_verified(s2, r2, 1, 64);
-        let open = tcp_sockets()
-            .iter()
-            .filter(|t| ports.contains(&t.remote_port) && matches!(t.state, 1 | 8))
-            .count();
-        (open == 0).then_some(())
-    });
+    until_closed_here(&ports, || host::send_verified(s2, r2, 1, 64));
     core::dereg_mr(s, smh).unwrap();
     let t = Instant::now();
     core::close_send(s).unwrap();
@@ -603,15 +585,4 @@ fn close_send_after_the_peer_closed_and_exited(provider: &str, protocol: &str) {
     core::finalize(ctx).unwrap();
 }
 
-mod close_send_after_the_peer_closed_and_exited {
-    macro_rules! variants {
-        ($($name:ident: $provider:literal $protocol:literal),+) => {$(
-            #[test]
-            fn $name() {
-                weft_tests::isolated!();
-                super::close_send_after_the_peer_closed_and_exited($provider, $protocol);
-            }
-        )+};
-    }
-    variants!(tcp_rdma: "tcp" "rdma", shm_rdma: "shm" "rdma", tcp_sendrecv: "tcp" "sendrecv", shm_sendrecv: "shm" "sendrecv");
-}
+weft_tests::each!(close_send_after_the_peer_closed_and_exited: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);

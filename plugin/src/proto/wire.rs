@@ -480,6 +480,24 @@ pub fn is_alive(buf: &[u8]) -> bool {
     buf.len() >= 12 && buf[6] == KIND_ALIVE && buf[..4] == CTRL_MAGIC.to_le_bytes()
 }
 
+/// How many entries of `size` bytes after `head` a message with a count in
+/// byte 7 has: 1 ..= [`super::MAX_RECVS`] (else `bad(count)`), all present.
+fn entries(
+    buf: &[u8],
+    head: usize,
+    size: usize,
+    bad: fn(usize) -> CtrlError,
+) -> Result<usize, CtrlError> {
+    let n = usize::from(buf[7]);
+    if n == 0 || n > super::MAX_RECVS {
+        return Err(bad(n));
+    }
+    if buf.len() < head + n * size {
+        return Err(CtrlError::Truncated(buf.len()));
+    }
+    Ok(n)
+}
+
 impl Ctrl {
     /// Encodes into `out`, returning the length used.
     pub fn encode(&self, out: &mut [u8; CTRL_MAX]) -> usize {
@@ -649,13 +667,7 @@ impl Ctrl {
                 addr: addr()?,
             }),
             KIND_RTR => {
-                let n = usize::from(buf[7]);
-                if n == 0 || n > super::MAX_RECVS {
-                    return Err(CtrlError::RtrCount(n));
-                }
-                if buf.len() < RTR_HEAD + n * RTR_BUF {
-                    return Err(CtrlError::Truncated(buf.len()));
-                }
+                let n = entries(buf, RTR_HEAD, RTR_BUF, CtrlError::RtrCount)?;
                 let bufs = (0..n)
                     .map(|i| {
                         let at = RTR_HEAD + i * RTR_BUF;
@@ -699,13 +711,7 @@ impl Ctrl {
             }),
             KIND_BYE => Ok(Ctrl::Bye { sent: u32_at(8) }),
             KIND_POSTED => {
-                let n = usize::from(buf[7]);
-                if n == 0 || n > super::MAX_RECVS {
-                    return Err(CtrlError::PostedCount(n));
-                }
-                if buf.len() < POSTED_HEAD + n * POSTED_ENTRY {
-                    return Err(CtrlError::Truncated(buf.len()));
-                }
+                let n = entries(buf, POSTED_HEAD, POSTED_ENTRY, CtrlError::PostedCount)?;
                 let counts = (0..n)
                     .map(|i| {
                         let at = POSTED_HEAD + i * POSTED_ENTRY;

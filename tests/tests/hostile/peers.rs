@@ -12,27 +12,6 @@ use weft_tests::forge::{Forger, Linked};
 use weft_tests::host::*;
 use weft_tests::poll_until;
 
-/// Runs `f(provider)` with `WEFT_PROTOCOL=protocol`, in a process of its
-/// own, for each `provider_protocol` listed: `each!(f: tcp_rdma, shm_sendrecv)`
-/// makes the tests `f::tcp_rdma` and `f::shm_sendrecv`.
-macro_rules! each {
-    ($f:ident: $($variant:ident),+ $(,)?) => {
-        mod $f {
-            $(
-                #[test]
-                fn $variant() {
-                    weft_tests::isolated!();
-                    let (provider, protocol) = stringify!($variant)
-                        .split_once('_')
-                        .expect("a variant is provider_protocol");
-                    std::env::set_var("WEFT_PROTOCOL", protocol);
-                    super::$f(provider);
-                }
-            )+
-        }
-    };
-}
-
 /// A forger connected to a fresh listener of `ctx` as a send comm, and the
 /// receive comm the host accepted for it.
 fn forger_pair(ctx: *mut c_void, provider: &str) -> (Forger, Linked, *mut c_void) {
@@ -155,7 +134,7 @@ fn a_key_opens_only_the_registered_bytes(provider: &str) {
     mem.clear();
     let _ = core::close_recv(r);
 }
-each!(a_key_opens_only_the_registered_bytes: tcp_rdma, shm_rdma);
+weft_tests::each!(a_key_opens_only_the_registered_bytes: tcp_rdma, shm_rdma);
 
 /// A third party that learned a victim receive comm's id (and even its
 /// peer's token) and has a comm of its own to the same device speaks for
@@ -263,7 +242,7 @@ fn a_third_party_cannot_speak_for_a_comm(provider: &str) {
     close_pair(s, r);
     core::close_recv(r2).unwrap();
 }
-each!(a_third_party_cannot_speak_for_a_comm: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
+weft_tests::each!(a_third_party_cannot_speak_for_a_comm: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
 
 /// `irecv(1 MiB)`, `closeRecv`, then `isend` of 1 MiB at the other end:
 /// the closed comm's buffer (which NCCL frees after the close) never
@@ -304,7 +283,7 @@ fn no_write_after_close_recv(provider: &str) {
     core::dereg_mr(s, smh).unwrap();
     core::close_send(s).unwrap();
 }
-each!(no_write_after_close_recv: tcp_rdma, shm_rdma);
+weft_tests::each!(no_write_after_close_recv: tcp_rdma, shm_rdma);
 
 /// 600 untagged messages with remote CQ data (which Weft never sends) from
 /// a host that never shook hands land in the listener's control buffers:
@@ -332,7 +311,7 @@ fn messages_with_cq_data_never_eat_control_buffers(provider: &str) {
     core::close_listen(l).unwrap();
     close_pair(s, r);
 }
-each!(messages_with_cq_data_never_eat_control_buffers: tcp_rdma, shm_rdma, tcp_sendrecv);
+weft_tests::each!(messages_with_cq_data_never_eat_control_buffers: tcp_rdma, shm_rdma, tcp_sendrecv);
 
 /// 64 connects at once to one listener (a restart storm, or a host
 /// misusing one listener): every one is accepted, and every comm moves a
@@ -407,7 +386,7 @@ fn many_connects_to_one_listener(provider: &str) {
         core::close_recv(*r).unwrap();
     }
 }
-each!(many_connects_to_one_listener: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
+weft_tests::each!(many_connects_to_one_listener: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
 
 /// A sender that finished 4 small sends and closed: the receiver's later
 /// receives still get all 4 (rdma: from the stash; sendrecv: from the
@@ -447,7 +426,7 @@ fn what_was_sent_before_bye_is_received(provider: &str) {
     core::dereg_mr(r, pmh).unwrap();
     core::close_recv(r).unwrap();
 }
-each!(what_was_sent_before_bye_is_received: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
+weft_tests::each!(what_was_sent_before_bye_is_received: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
 
 /// 20 scenarios of grouped receives (n = 1..8 tags) of small, eager
 /// messages (8..36 bytes: eager within tcp;ofi_rxm's 64-byte inject, so no
@@ -521,7 +500,7 @@ fn grouped_eager_receives_survive_the_senders_close(provider: &str) {
         core::close_recv(r).unwrap();
     }
 }
-each!(grouped_eager_receives_survive_the_senders_close: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
+weft_tests::each!(grouped_eager_receives_survive_the_senders_close: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
 
 /// A connected peer floods its receive comm with `Alive`s and `Credit`s
 /// (200 000 on tcp, 50 000 on shm) while the host drives another pair on the same device
@@ -572,7 +551,7 @@ fn a_control_flood_costs_no_memory(provider: &str) {
     let _ = core::close_recv(flooded);
     close_pair(s, r);
 }
-each!(a_control_flood_costs_no_memory: tcp_rdma, shm_sendrecv);
+weft_tests::each!(a_control_flood_costs_no_memory: tcp_rdma, shm_sendrecv);
 
 /// A non-Weft peer sends tagged data (which the rdma protocol never sends
 /// nor receives): 8 000 x 16 KB and 200 x 200 KB to the receive comm it
@@ -632,7 +611,7 @@ fn tagged_data_is_not_buffered_under_rdma(provider: &str) {
     let _ = core::close_recv(flooded);
     close_pair(s, r);
 }
-each!(tagged_data_is_not_buffered_under_rdma: tcp_rdma);
+weft_tests::each!(tagged_data_is_not_buffered_under_rdma: tcp_rdma);
 
 /// A buffer deregistered while its receive is in flight, before the
 /// peer's write came (NCCL deregisters before it closes the comm; a buggy
@@ -682,7 +661,7 @@ fn dereg_under_a_receive_ends_it(provider: &str) {
     close_pair(s, r);
     close_pair(s2, r2);
 }
-each!(dereg_under_a_receive_ends_it: tcp_rdma, shm_rdma);
+weft_tests::each!(dereg_under_a_receive_ends_it: tcp_rdma, shm_rdma);
 
 /// NCCL's abort, ten times over on one device: a pair with 8 receives of
 /// 1 MiB posted (4 with NCCL's tag, 4 with another) and 8 sends in flight
@@ -743,7 +722,7 @@ fn closes_with_transfers_in_flight(provider: &str) {
     }
     core::finalize(ctx).unwrap();
 }
-each!(closes_with_transfers_in_flight: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
+weft_tests::each!(closes_with_transfers_in_flight: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
 
 /// The receiver gets and checks 32 × 1 MiB and closes before the sender
 /// tested any of its sends: every send still ends done, none failed (a
@@ -801,7 +780,7 @@ fn sends_the_receiver_took_succeed_after_its_bye(provider: &str) {
     core::close_send(s).unwrap();
     core::finalize(ctx).unwrap();
 }
-each!(sends_the_receiver_took_succeed_after_its_bye: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
+weft_tests::each!(sends_the_receiver_took_succeed_after_its_bye: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
 
 /// A peer sends a control message larger than the hub's control buffers
 /// (400 bytes), then the data the comm's receive waits for. Either the
@@ -881,4 +860,4 @@ fn an_oversized_control_message_wedges_only_its_sender(provider: &str) {
     let _ = core::close_recv(victim);
     close_pair(s, r);
 }
-each!(an_oversized_control_message_wedges_only_its_sender: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
+weft_tests::each!(an_oversized_control_message_wedges_only_its_sender: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
