@@ -308,7 +308,15 @@ pub fn rerun_isolated() -> bool {
     };
     let exe = std::env::current_exe().expect("current_exe");
     let out = std::process::Command::new(exe)
-        .args([name.as_str(), "--exact", "--nocapture", "--test-threads=1"])
+        // --include-ignored: the parent runs it only if it was selected
+        // (an ignored test, e.g. the soak, by --ignored).
+        .args([
+            name.as_str(),
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(ISOLATED, "1")
         .output()
         .expect("run the test in a process of its own");

@@ -189,6 +189,12 @@ impl<T: ?Sized> Registry<T> {
         let map = self.map.read().unwrap_or_else(|e| e.into_inner());
         map.values().cloned().collect()
     }
+    /// The serial numbers of the live objects (to visit them one at a time
+    /// with [`Registry::get_at`], holding none of them meanwhile).
+    pub fn serials(&self) -> Vec<u64> {
+        let map = self.map.read().unwrap_or_else(|e| e.into_inner());
+        map.keys().copied().collect()
+    }
     /// Forgets every object and returns how many there were.
     pub fn clear(&self) -> usize {
         let old = std::mem::take(&mut *self.map.write().unwrap_or_else(|e| e.into_inner()));

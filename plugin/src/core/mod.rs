@@ -174,14 +174,20 @@ fn plugin() -> Result<Arc<Plugin>> {
         .ok_or_else(|| Error::internal("called before init (or after the last finalize)"))
 }
 
-/// One heartbeat tick over every connected comm (the keeper's work).
+/// One heartbeat tick over every connected comm (the keeper's work). It
+/// holds one comm at a time, so a close waits for at most one tick of one
+/// comm ([`last_ref`]).
 fn keep_alive(now: Instant, pulse: &keeper::Pulse) {
-    for s in REG.send.values() {
-        s.comm.keepalive(now);
+    for serial in REG.send.serials() {
+        if let Some(s) = REG.send.get_at(serial) {
+            s.comm.keepalive(now);
+        }
         pulse.beat();
     }
-    for r in REG.recv.values() {
-        r.comm.keepalive(now);
+    for serial in REG.recv.serials() {
+        if let Some(r) = REG.recv.get_at(serial) {
+            r.comm.keepalive(now);
+        }
         pulse.beat();
     }
     for l in REG.listen.values() {
@@ -1128,7 +1134,32 @@ pub fn close_send(comm: *mut c_void) -> Result<()> {
         Error::internal(format!("closeSend: {comm:p} is not a live Weft send comm"))
     })?;
     s.events.stop_all();
+    last_ref(s, "closeSend");
     Ok(())
+}
+
+/// Drops a closed comm here, once nobody else holds it: its drop is the
+/// close (it waits until the provider is done with NCCL's buffers), and
+/// NCCL frees or reuses them as soon as the close returns. The keeper holds
+/// a comm for the length of one heartbeat tick; if it let go of the last
+/// reference after the close returned, the comm's waits ran in the keeper
+/// while the provider still wrote into (or read from) memory NCCL had
+/// freed (the soak: rxm crashed copying into a closed receive comm's
+/// buffer). Bounded by `WEFT_PEER_TIMEOUT` (a keeper stuck inside the
+/// provider), with a WARN.
+fn last_ref<C: proto::Comm + ?Sized>(c: Arc<Connected<C>>, what: &str) {
+    let timeout = peer_timeout().unwrap_or(std::time::Duration::from_secs(30));
+    let deadline = Instant::now() + timeout;
+    while Arc::strong_count(&c) > 1 || Arc::strong_count(&c.comm) > 1 {
+        if Instant::now() > deadline {
+            tracing::warn!(
+                "{what}: another thread still holds the comm after {timeout:?} (a keeper stuck in the provider?); it finishes closing there"
+            );
+            break;
+        }
+        std::thread::yield_now();
+    }
+    drop(c);
 }
 
 /// `closeRecv`.
@@ -1139,6 +1170,7 @@ pub fn close_recv(comm: *mut c_void) -> Result<()> {
         ))
     })?;
     c.events.stop_all();
+    last_ref(c, "closeRecv");
     Ok(())
 }
 
