@@ -627,6 +627,56 @@ fn the_data_path_never_waits_for_a_held_comm() {
     close_pair(s2, r2);
 }
 
+/// A comm closed while another thread holds it (the keeper, in the middle
+/// of its heartbeat tick): `closeRecv` returns only once it has dropped
+/// the comm itself, i.e. after the holder let go, never before (then the
+/// comm's close, and its waits for the provider, ran in the holder after
+/// NCCL had freed the buffers: the soak's crash inside rxm). The wait for
+/// the holder is seen from outside as "not returned yet"; that check is
+/// bounded (1 s) and can only pass wrongly on a slow machine, never fail
+/// wrongly. Afterwards the receive's request is gone and the device serves
+/// a fresh pair.
+#[test]
+fn a_close_waits_for_a_thread_that_holds_the_comm() {
+    weft_tests::isolated!();
+    let ctx = init("tcp");
+    let (s, r) = pair(ctx);
+    let mut dst = vec![0u8; 1000];
+    let rmh = reg(r, &dst);
+    let rq = irecv(r, &mut [&mut dst[..]], &[4], &[rmh]);
+    let (held_tx, held) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel::<()>();
+    let rp = r as usize;
+    let holder = std::thread::spawn(move || {
+        core::hold_comm_for_test(rp as *mut c_void, &held_tx, &release_rx).unwrap();
+    });
+    held.recv().unwrap();
+    let (closed_tx, closed) = mpsc::channel();
+    let closer = std::thread::spawn(move || {
+        core::close_recv(rp as *mut c_void).unwrap();
+        closed_tx.send(()).unwrap();
+    });
+    // The close has begun once the comm is gone from the registry.
+    poll_until("closeRecv to begin", || {
+        core::test(rq).is_err().then_some(())
+    });
+    assert!(
+        closed
+            .recv_timeout(std::time::Duration::from_secs(1))
+            .is_err(),
+        "closeRecv returned while another thread still held the comm"
+    );
+    release.send(()).unwrap();
+    closed.recv().unwrap();
+    holder.join().unwrap();
+    closer.join().unwrap();
+    core::dereg_mr(s, rmh).unwrap();
+    core::close_send(s).unwrap();
+    let (s2, r2) = pair(ctx);
+    send_verified(s2, r2, 4, 1000);
+    close_pair(s2, r2);
+}
+
 /// shm regions left in /dev/shm by a dead process whose pid this process
 /// now has (killed, or exited without closing): libfabric 1.17's shm refuses
 /// such an endpoint with EBUSY, and Weft then removes the regions of its own
