@@ -584,6 +584,20 @@ fn null_out_pointers_create_nothing() {
     close_pair(s, r);
 }
 
+/// Another thread holds comm `comm` (its state lock, and a reference), as a
+/// keeper stuck inside the provider would, from when this returns until
+/// `release` fires; join the handle after.
+fn hold_from_another_thread(comm: *mut c_void) -> (mpsc::Sender<()>, std::thread::JoinHandle<()>) {
+    let (held_tx, held) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel::<()>();
+    let c = comm as usize;
+    let holder = std::thread::spawn(move || {
+        core::hold_comm_for_test(c as *mut c_void, &held_tx, &release_rx).unwrap();
+    });
+    held.recv().unwrap();
+    (release, holder)
+}
+
 /// While another thread holds a comm (a keeper stuck inside the provider),
 /// isend, irecv and test on it return "not yet" at once instead of waiting,
 /// and other comms carry on.
@@ -598,13 +612,7 @@ fn the_data_path_never_waits_for_a_held_comm() {
     let mut dst = vec![0u8; 1000];
     let rmh = reg(r, &dst);
     let rq = irecv(r, &mut [&mut dst[..]], &[4], &[rmh]);
-    let (held_tx, held) = mpsc::channel();
-    let (release, release_rx) = mpsc::channel::<()>();
-    let rp = r as usize;
-    let holder = std::thread::spawn(move || {
-        core::hold_comm_for_test(rp as *mut c_void, &held_tx, &release_rx).unwrap();
-    });
-    held.recv().unwrap();
+    let (release, holder) = hold_from_another_thread(r);
     // These would deadlock the test if they waited for the holder.
     assert_eq!(core::test(rq).unwrap(), None);
     let arg = core::RecvArg {
@@ -644,13 +652,8 @@ fn a_close_waits_for_a_thread_that_holds_the_comm() {
     let mut dst = vec![0u8; 1000];
     let rmh = reg(r, &dst);
     let rq = irecv(r, &mut [&mut dst[..]], &[4], &[rmh]);
-    let (held_tx, held) = mpsc::channel();
-    let (release, release_rx) = mpsc::channel::<()>();
+    let (release, holder) = hold_from_another_thread(r);
     let rp = r as usize;
-    let holder = std::thread::spawn(move || {
-        core::hold_comm_for_test(rp as *mut c_void, &held_tx, &release_rx).unwrap();
-    });
-    held.recv().unwrap();
     let (closed_tx, closed) = mpsc::channel();
     let closer = std::thread::spawn(move || {
         core::close_recv(rp as *mut c_void).unwrap();
