@@ -131,14 +131,16 @@ impl Forger {
 
     /// [`Forger::send`], calling `progress` between tries (the receiving
     /// side in this process must make progress for shm to take the message).
-    pub fn send_while(&self, to: FiAddr, msg: &Ctrl, progress: impl FnMut()) {
+    /// Whether the provider took it (always, unless [`Forger::impatient`]).
+    pub fn send_while(&self, to: FiAddr, msg: &Ctrl, progress: impl FnMut()) -> bool {
         let b = frame(self.id.get(), self.token.get(), msg);
-        self.inject_while(to, &b, progress);
+        self.inject_while(to, &b, progress)
     }
 
-    /// Injects `bytes` as they are (an untagged message) to `to`.
-    pub fn inject_while(&self, to: FiAddr, bytes: &[u8], progress: impl FnMut()) {
-        self.retry("fi_inject", || self.ep.inject(bytes, to), progress);
+    /// Injects `bytes` as they are (an untagged message) to `to`; whether
+    /// the provider took them (always, unless [`Forger::impatient`]).
+    pub fn inject_while(&self, to: FiAddr, bytes: &[u8], progress: impl FnMut()) -> bool {
+        self.retry("fi_inject", || self.ep.inject(bytes, to), progress)
     }
 
     /// Injects `bytes` with remote CQ data `data` (untagged, or tagged with
@@ -159,13 +161,14 @@ impl Forger {
     }
 
     /// Calls `send` until the provider takes it, reading the forger's CQ
-    /// and calling `progress` between tries.
+    /// and calling `progress` between tries; whether it was taken (false
+    /// only when impatient).
     fn retry(
         &self,
         what: &str,
         mut send: impl FnMut() -> Result<(), weft::fabric::FiError>,
         mut progress: impl FnMut(),
-    ) {
+    ) -> bool {
         let mut c = [Completion::default(); 4];
         self.until(what, || {
             match send() {
@@ -176,7 +179,8 @@ impl Forger {
             let _ = self.ep.cq().read(&mut c);
             progress();
             None
-        });
+        })
+        .is_some()
     }
 
     /// From now on a send the provider does not take within `d` is given up

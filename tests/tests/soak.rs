@@ -1,7 +1,8 @@
 //! A cluster's bad day, bounded: 8 processes on 4 namespace hosts (a rank of
 //! each protocol per host, 4 rdma ranks and 4 sendrecv ranks, over tcp on
-//! the hosts' rails), opening and closing comms all the time (`weft-soak
-//! rank`: new comms every epoch, 6 verified messages each way from 8 B to
+//! the hosts' two rails), opening and closing comms all the time (`weft-soak
+//! rank`: new comms every epoch, on rail 0, rail 1 or the virtual device
+//! that fuses both, in turn; 6 verified messages each way from 8 B to
 //! 1 MiB; one epoch in 7 aborted with transfers in flight), ranks SIGKILLed and started again every few seconds, and a third
 //! party per protocol (`weft-soak garbage`) sending junk, forged control
 //! messages and forged `Conn`s to every listener as it appears (tagged junk
@@ -11,7 +12,7 @@
 //! printed.
 //!
 //! Run by `./weft soak [SECONDS]` (600 s by default; `WEFT_SOAK_SECS`), not
-//! by `./weft test`: see the README for why.
+//! by `./weft test`: see docs/testing.md for why.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -36,8 +37,10 @@ fn spawn(c: &Cluster, h: usize, protocol: &str, args: &[String], log: &Path) -> 
     cmd.args(args)
         .env("WEFT_PROTOCOL", protocol)
         .env("WEFT_PROVIDER", "tcp")
-        .env("WEFT_IFACE", "r0")
-        .env("FI_TCP_IFACE", "r0")
+        // Both rails as devices: an epoch runs on rail 0, rail 1 or the
+        // virtual device of both.
+        .env("WEFT_IFACE", "r")
+        .env("FI_TCP_IFACE", "r")
         .env("WEFT_PEER_TIMEOUT", "5")
         // The provider's own warnings go into the same log.
         .env("FI_LOG_LEVEL", "warn")
@@ -67,7 +70,7 @@ fn a_clusters_bad_day() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(600);
-    let c = Cluster::new(HOSTS, 1).expect("the cluster");
+    let c = Cluster::new(HOSTS, 2).expect("the cluster");
     let root = std::env::temp_dir().join(format!("weft-soak-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     let end = std::time::SystemTime::now()
@@ -156,7 +159,7 @@ fn a_clusters_bad_day() {
     println!(
         "soak: {secs} s, 8 ranks on 4 hosts, {kills} kills and restarts; third parties: {junk:?}"
     );
-    let (mut epochs, mut msgs, mut bytes, mut gone, mut aborted) = (0, 0, 0, 0, 0);
+    let (mut epochs, mut msgs, mut bytes, mut gone, mut aborted, mut fused) = (0, 0, 0, 0, 0, 0);
     for (p, h, l, first, log) in &lines {
         println!(
             "  {p} host {h}{}: {l}",
@@ -173,6 +176,7 @@ fn a_clusters_bad_day() {
         bytes += field(l, "bytes");
         gone += field(l, "gone");
         aborted += field(l, "aborted");
+        fused += field(l, "fused");
         if *first && field(l, "epochs") > 8 {
             let rss = field(l, "rss1").saturating_sub(field(l, "rss0")) / 1024;
             let fds = field(l, "fds1").saturating_sub(field(l, "fds0"));
@@ -187,9 +191,13 @@ fn a_clusters_bad_day() {
         assert!(j.starts_with("ok garbage"), "third party: {j}");
     }
     println!(
-        "soak: {epochs} epochs, {msgs} messages, {} MB verified, {gone} epochs skipped for a killed partner, {aborted} aborted",
+        "soak: {epochs} epochs ({fused} of them verified on the virtual device), {msgs} messages, {} MB verified, {gone} epochs skipped for a killed partner, {aborted} aborted",
         bytes >> 20
     );
     assert!(msgs > 0 && bytes > 0, "something moved");
+    assert!(
+        fused > 0,
+        "some epochs moved their data on the virtual device"
+    );
     let _ = std::fs::remove_dir_all(&root);
 }

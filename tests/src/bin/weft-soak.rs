@@ -2,13 +2,15 @@
 //! closes comms all the time, or the third party beside them.
 //!
 //! ```text
-//! weft-soak rank RANK NRANKS DIR END       -> ok RANK epochs E msgs M bytes B gone G aborted A rss0 R rss1 R fds0 F fds1 F
+//! weft-soak rank RANK NRANKS DIR END       -> ok RANK epochs E msgs M bytes B gone G aborted A fused V rss0 R rss1 R fds0 F fds1 F
 //! weft-soak garbage DIR SECONDS TAGGED      -> ok garbage sent N
 //! ```
 //!
 //! **A rank** works in epochs. In epoch `e` it receives from rank
 //! `from = rank - k` and sends to `to = rank + k` (mod NRANKS, `k = 1 + e %
-//! (NRANKS - 1)`), on comms made for that epoch alone: it listens, writes
+//! (NRANKS - 1)`), on comms made for that epoch alone, on the device
+//! [`device_of`] names for the epoch (the host's rail 0, its rail 1, or the
+//! virtual device that fuses both, in turn): it listens, writes
 //! the handle to `DIR/e-FROM-RANK.handle` (with its pid), connects to
 //! `DIR/e-RANK-TO.handle`, moves 6 messages each way (8 B to 1 MiB, every
 //! byte verified), and closes both. Its pid is in `DIR/RANK.pid` and the
@@ -25,16 +27,19 @@
 //! and again at the end.
 //!
 //! **The garbage process** reads every handle as it appears and sends its
-//! listener junk: random bytes, framed control messages to random and real
-//! ids with random tokens, forged `Conn`s, and (with TAGGED=1, for the rdma
-//! ranks, whose endpoints drop tagged messages) tagged junk.
+//! listener junk (every rail's listener of a virtual device): random bytes,
+//! framed control messages to random and real ids with random tokens, forged
+//! `Conn`s, and (with TAGGED=1, for the rdma ranks, whose endpoints drop
+//! tagged messages) tagged junk.
+//!
+//! Both kinds run with both rails as devices (`WEFT_IFACE=r`).
 
 use std::ffi::c_void;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use weft::core::{self, RecvArg};
-use weft::proto::wire::{Ctrl, ListenHandle, HANDLE_SIZE};
+use weft::proto::wire::{self, Ctrl, HANDLE_SIZE};
 use weft_tests::host::{self, pattern};
 use weft_tests::peer::{hex, unhex};
 
@@ -50,6 +55,43 @@ fn num(a: &[String], i: usize) -> Result<u64, String> {
         .ok_or_else(|| format!("argument {i} missing"))?
         .parse()
         .map_err(|e| format!("argument {i}: {e}"))
+}
+
+/// The devices of an epoch: what [`device_of`] chooses from.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Dev {
+    Rail0,
+    Rail1,
+    Fused,
+}
+
+/// Epoch `e`'s device: rail 0, rail 1 and the virtual device of both, in
+/// turn (every rank and the third party agree on it by the epoch alone).
+fn device_of(e: u64) -> Dev {
+    [Dev::Rail0, Dev::Rail1, Dev::Fused][(e % 3) as usize]
+}
+
+/// The epoch of a handle file `E-FROM-TO.handle`.
+fn epoch_of(path: &Path) -> Option<u64> {
+    path.file_name()?.to_str()?.split('-').next()?.parse().ok()
+}
+
+/// The physical devices of rails 0 and 1 (`WEFT_IFACE=r` finds both, in
+/// libfabric's order), by their names.
+fn rails() -> Result<[i32; 2], String> {
+    let n = core::devices().map_err(|e| e.to_string())? as i32;
+    let names = (0..n)
+        .map(|d| core::properties(d).map(|p| p.name.to_string_lossy().into_owned()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    let at = |r: &str| {
+        names
+            .iter()
+            .position(|x| x == r)
+            .map(|i| i as i32)
+            .ok_or_else(|| format!("no device {r} among {names:?} (WEFT_IFACE=r)"))
+    };
+    Ok([at("r0")?, at("r1")?])
 }
 
 /// A small xorshift generator (junk need not be good randomness).
@@ -124,6 +166,8 @@ struct Rank {
     n: u64,
     dir: PathBuf,
     ctx: *mut c_void,
+    /// The device index of each [`Dev`], in its order.
+    devs: [i32; 3],
     deadline: Instant,
     /// Whether this rank aborts an epoch now and then (`WEFT_SOAK_ABORT=1`).
     aborts: bool,
@@ -139,9 +183,13 @@ impl Rank {
         let k = 1 + e % (self.n - 1);
         let from = (self.rank + self.n - k) % self.n;
         let to = (self.rank + k) % self.n;
-        let (h, l) = host::listen(self.ctx);
+        let dev = self.devs[device_of(e) as usize];
+        let (h, l) = host::listen_on(self.ctx, dev);
         let me = std::process::id();
-        note(&format!("epoch {e}: to rank {to}, from rank {from}"));
+        note(&format!(
+            "epoch {e}: to rank {to}, from rank {from}, on device {dev} ({:?})",
+            device_of(e)
+        ));
         write_atomic(
             &self.dir.join(format!("{e}-{from}-{}.handle", self.rank)),
             &format!("{me} {}", hex(&h)),
@@ -298,7 +346,8 @@ impl Rank {
         }
         if h.comm.is_none() {
             let handle = h.handle.as_mut().expect("read above");
-            match core::connect(self.ctx, 0, None, handle) {
+            let dev = self.devs[device_of(h.e) as usize];
+            match core::connect(self.ctx, dev, None, handle) {
                 Ok(Some(c)) => {
                     note(&format!("epoch {}: connected to rank {}", h.e, h.partner));
                     h.comm = Some(c)
@@ -521,11 +570,14 @@ fn rank(a: &[String]) -> Result<String, String> {
         ..Default::default()
     })
     .map_err(|e| e.to_string())?;
+    let [r0, r1] = rails()?;
+    let fused = core::make_vdevice(&[r0, r1], 4).map_err(|e| e.to_string())?;
     let me = Rank {
         rank,
         n,
         dir: dir.clone(),
         ctx,
+        devs: [r0, r1, fused],
         deadline: Instant::now() + Duration::from_secs(end.saturating_sub(now)),
         aborts: std::env::var("WEFT_SOAK_ABORT").is_ok_and(|v| v == "1"),
     };
@@ -546,10 +598,15 @@ fn rank(a: &[String]) -> Result<String, String> {
         write_atomic(&dir.join(format!("{rank}.epoch")), &(e - 1).to_string())?;
     }
     let (mut epochs, mut bytes, mut lost, mut aborted) = (0u64, 0u64, 0u64, 0u64);
+    // Epochs that moved and verified everything on the virtual device.
+    let mut fused = 0u64;
     let (mut rss0, mut fds0) = (0, 0);
     while Instant::now() < me.deadline {
         match me.epoch(e)? {
-            Outcome::Done(b) => bytes += b,
+            Outcome::Done(b) => {
+                bytes += b;
+                fused += u64::from(device_of(e) == Dev::Fused);
+            }
             Outcome::Gone => lost += 1,
             Outcome::Aborted => aborted += 1,
         }
@@ -564,7 +621,7 @@ fn rank(a: &[String]) -> Result<String, String> {
     let (rss1, fds1) = (weft_tests::status_kb("VmRSS"), Rank::fds());
     core::finalize(ctx).map_err(|e| e.to_string())?;
     Ok(format!(
-        "ok {rank} epochs {epochs} msgs {} bytes {bytes} gone {lost} aborted {aborted} rss0 {rss0} rss1 {rss1} fds0 {fds0} fds1 {fds1}",
+        "ok {rank} epochs {epochs} msgs {} bytes {bytes} gone {lost} aborted {aborted} fused {fused} rss0 {rss0} rss1 {rss1} fds0 {fds0} fds1 {fds1}",
         epochs.saturating_sub(lost + aborted) * 2 * SIZES.len() as u64
     ))
 }
@@ -575,13 +632,21 @@ fn garbage(a: &[String]) -> Result<String, String> {
     let tagged = num(a, 4)? == 1;
     let config = weft::config::load().map_err(|e| e.to_string())?;
     let devs = weft::device::discover(&config).map_err(|e| e.to_string())?;
-    let dev = devs.first().ok_or("no device")?;
-    let domain = weft::fabric::Domain::open(dev.info_for(true)).map_err(|e| e.to_string())?;
-    let f = weft_tests::forge::Forger::open_on(domain);
-    // Its targets die all the time: rxm refuses sends to a dead one for
-    // ever, so what is not taken within a second is dropped (seen: the
-    // third party stuck 300 s on one killed rank's listener).
-    f.impatient(Duration::from_secs(1));
+    // A forger on each rail (its listeners are reachable from it alone).
+    let forger = |rail: &str| -> Result<weft_tests::forge::Forger, String> {
+        let dev = devs
+            .iter()
+            .find(|d| d.domain == rail)
+            .ok_or_else(|| format!("no device {rail} (WEFT_IFACE=r)"))?;
+        let domain = weft::fabric::Domain::open(dev.info_for(true)).map_err(|e| e.to_string())?;
+        let f = weft_tests::forge::Forger::open_on(domain);
+        // Its targets die all the time: rxm refuses sends to a dead one for
+        // ever, so what is not taken within a second is dropped (seen: the
+        // third party stuck 300 s on one killed rank's listener).
+        f.impatient(Duration::from_secs(1));
+        Ok(f)
+    };
+    let forgers = [forger("r0")?, forger("r1")?];
     let mut rng = Rng::new();
     let deadline = Instant::now() + Duration::from_secs(secs);
     let mut seen = std::collections::HashSet::new();
@@ -598,41 +663,64 @@ fn garbage(a: &[String]) -> Result<String, String> {
             }
         }
         for p in fresh {
-            let Some(h) = std::fs::read_to_string(&p)
-                .ok()
-                .and_then(|t| unhex(t.trim().split_once(' ')?.1).ok())
-                .and_then(|h: [u8; HANDLE_SIZE]| ListenHandle::decode(&h).ok())
-            else {
+            if Instant::now() > deadline {
+                break;
+            }
+            let Some(e) = epoch_of(&p) else { continue };
+            let Some((pid, handles)) = std::fs::read_to_string(&p).ok().and_then(|t| {
+                let (pid, hx) = t.trim().split_once(' ')?;
+                let h: [u8; HANDLE_SIZE] = unhex(hx).ok()?;
+                Some((pid.parse::<u32>().ok()?, wire::decode_any(&h).ok()?.0))
+            }) else {
                 continue;
             };
-            let to = f.peer(&h.addr);
-            for i in 0..8u64 {
-                let junk: Vec<u8> = (0..1 + rng.next() % 60).map(|_| rng.next() as u8).collect();
-                f.inject_while(to, &junk, || {});
-                let id = if i % 2 == 0 { h.id } else { rng.next() as u32 };
-                f.aim(id);
-                f.sign(rng.next() as u32);
-                let msg = match i % 4 {
-                    0 => Ctrl::Alive,
-                    1 => Ctrl::Bye {
-                        sent: rng.next() as u32,
-                    },
-                    2 => Ctrl::Credit { count: 64 },
-                    _ => Ctrl::Conn {
-                        listener: h.nonce,
-                        conn: rng.next(),
-                        id: rng.next() as u32,
-                        addr: f.name(),
-                    },
-                };
-                f.send_while(to, &msg, || {});
-                if tagged {
-                    let _ = f.tsend(to, 1000, rng.next(), || {});
+            // A killed rank's listener takes nothing, and each refused send
+            // costs the forger its patience: aim at the living only.
+            if !alive(pid) {
+                continue;
+            }
+            // Which forger reaches each listener of the handle.
+            let on: &[usize] = match device_of(e) {
+                Dev::Rail0 => &[0],
+                Dev::Rail1 => &[1],
+                Dev::Fused => &[0, 1],
+            };
+            'target: for (h, &r) in handles.iter().zip(on) {
+                let f = &forgers[r];
+                let to = f.peer(&h.addr);
+                for i in 0..8u64 {
+                    let junk: Vec<u8> =
+                        (0..1 + rng.next() % 60).map(|_| rng.next() as u8).collect();
+                    let id = if i % 2 == 0 { h.id } else { rng.next() as u32 };
+                    f.aim(id);
+                    f.sign(rng.next() as u32);
+                    let msg = match i % 4 {
+                        0 => Ctrl::Alive,
+                        1 => Ctrl::Bye {
+                            sent: rng.next() as u32,
+                        },
+                        2 => Ctrl::Credit { count: 64 },
+                        _ => Ctrl::Conn {
+                            listener: h.nonce,
+                            conn: rng.next(),
+                            id: rng.next() as u32,
+                            addr: f.name(),
+                        },
+                    };
+                    // Refused: the rank died since (a second lost, not more).
+                    if !f.inject_while(to, &junk, || {}) || !f.send_while(to, &msg, || {}) {
+                        break 'target;
+                    }
+                    if tagged {
+                        let _ = f.tsend(to, 1000, rng.next(), || {});
+                    }
+                    sent += 2 + u64::from(tagged);
                 }
-                sent += 2 + u64::from(tagged);
             }
         }
-        while f.try_recv().is_some() {}
+        for f in &forgers {
+            while f.try_recv().is_some() {}
+        }
         std::thread::sleep(Duration::from_millis(5));
     }
     Ok(format!("ok garbage sent {sent}"))
