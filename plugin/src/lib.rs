@@ -1,7 +1,7 @@
 //! Weft: an NCCL network plugin over libfabric.
 //!
 //! This crate builds `libnccl_net_weft.so`. The NCCL plugin tables it exports
-//! are generated from version descriptors (see the README's "Version machinery"); the
+//! are generated from version descriptors (see docs/versions.md); the
 //! crate itself is the version-free core, in layers that
 //! `docs/architecture.md` draws and `tests/tests/layers.rs` checks.
 //!

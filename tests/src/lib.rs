@@ -385,12 +385,12 @@ macro_rules! isolated {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn readme_test_table_matches_the_code() {
-        let readme = include_str!("../../README.md");
+    fn docs_test_table_matches_the_code() {
+        let doc = include_str!("../../docs/testing.md");
         let table = weft::config::markdown_table(super::TEST_PARAMS);
         assert!(
-            readme.contains(&table),
-            "README.md's test-switch table differs from tests/src/lib.rs; it must read:\n{table}"
+            doc.contains(&table),
+            "docs/testing.md's test-switch table differs from tests/src/lib.rs; it must read:\n{table}"
         );
     }
 }

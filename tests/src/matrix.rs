@@ -2,7 +2,7 @@
 //! the dlopen'ed table exactly as that version's NCCL drives a plugin (the
 //! symbol NCCL looks up, `init` with its logger, `devices`/`getProperties`,
 //! then listen/connect/accept polled until non-NULL, and the data path; see
-//! the README's "Version machinery"). Every check is counted; a failure names the
+//! docs/versions.md). Every check is counted; a failure names the
 //! version, the call, the arguments that mattered and what was expected.
 
 use std::ffi::{c_int, c_void};

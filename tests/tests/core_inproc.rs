@@ -535,7 +535,7 @@ fn shm_truncation_writes_nothing_past_the_buffer() {
     // Above shm's 4 KiB inline size, libfabric 1.17's shm never completes a
     // truncated tagged receive: fi_cq_read waits inside libfabric (seen here
     // with 5000 and 100000 bytes). NCCL never sends more than the receiver
-    // posted; the README states the limit. Below it, shm reports FI_ETRUNC.
+    // posted; the README and docs/protocols.md state the limit. Below it, shm reports FI_ETRUNC.
     // rdma learns the receiver's size before it writes: every size is caught.
     let lens: &[usize] = if core::protocol_name().unwrap() == "rdma" {
         &[100, 4000, 5000, 100_000]

@@ -3,7 +3,7 @@
 //! `LD_LIBRARY_PATH`, or with none, so the driver is found and loaded the
 //! way the plugin finds a real one (cudarc's names, `libcuda.so.1` among
 //! them). What only a real GPU shows (GPUDirect through a CUDA-enabled
-//! libfabric, NCCL's own use) is the README's "GPU memory" section.
+//! libfabric, NCCL's own use) is docs/gpu.md.
 
 use std::process::Command;
 

@@ -3,7 +3,7 @@
 //! cuobjdump. Uses NCCL 2.23.4's libnccl.so.2 and cuobjdump 13.5, which
 //! `./weft test` downloads (pinned sha256) into `WEFT_TEST_NCCL_HEADERS`.
 //! What this cannot show is a GPU loading the result: that is the check
-//! itself, on a device machine (README, "GPU memory").
+//! itself, on a device machine (docs/gpu.md).
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};

@@ -66,7 +66,7 @@ fn stays_failed(r: *mut std::ffi::c_void, dst: &mut [u8], rmh: *mut std::ffi::c_
 /// striped: the send too), nothing lands past the buffer, and the comm
 /// stays failed. (Over shm the provider spins on a truncated tagged receive
 /// instead of reporting it, so shm runs only the inline case, which Weft
-/// checks itself; see the README.)
+/// checks itself; see "Truncation" in docs/protocols.md.)
 fn truncated(s: *mut std::ffi::c_void, r: *mut std::ffi::c_void, len: usize, cap: usize) {
     let src = vec![7u8; len];
     let mut dst = vec![0x5Au8; len];

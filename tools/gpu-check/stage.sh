@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stages Weft's real-NCCL GPU check (README, "GPU memory") into
+# Stages Weft's real-NCCL GPU check (docs/gpu.md) into
 # target/gpu-check/: NCCL from the PyPI wheels (2.18.3, 2.23.4 and the
 # newest, or WEFT_GPU_CHECK_NCCL="x.y.z ..."), the CUDA runtime from its
 # wheel (its headers with the nvcc wheel's), libfabric 2.1 built here with

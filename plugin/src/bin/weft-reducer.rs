@@ -1,4 +1,4 @@
-//! `weft-reducer`: a CollNet reduction server (see "CollNet" in the README
+//! `weft-reducer`: a CollNet reduction server (see docs/collnet.md
 //! and `collnet::reducer`).
 //!
 //! ```text

@@ -560,7 +560,7 @@ weft_tests::each!(a_control_flood_costs_no_memory: tcp_rdma, shm_sendrecv);
 /// keeps sink receives posted that take and drop any tagged message, so
 /// rxm buffers none of them (before: +134 MB for the 8 000 at the comm):
 /// the process grows by less than 16 MB after warm-up, and the other pair
-/// moves verified data throughout. Not on shm (see the README: shm keeps no
+/// moves verified data throughout. Not on shm (see "Receiver memory" in docs/protocols.md: shm keeps no
 /// sink, and a tagged flood stops its endpoint).
 fn tagged_data_is_not_buffered_under_rdma(provider: &str) {
     let ctx = init(provider);
