@@ -168,6 +168,7 @@ fn protocol_mismatch_is_named() {
     let ctx = host::init("tcp");
     let mut h = unhex(peer.cmd("listen").strip_prefix("handle ").expect("handle")).unwrap();
     let e = core::connect(ctx, 0, None, &mut h).expect_err("a mismatch must fail");
+    assert_eq!(e.kind, core::Kind::BadListenHandle, "{e}");
     assert!(
         e.msg.contains("sendrecv") && e.msg.contains("rdma") && e.msg.contains("WEFT_PROTOCOL"),
         "{e}"

@@ -95,7 +95,7 @@ fn truncated(s: *mut std::ffi::c_void, r: *mut std::ffi::c_void, len: usize, cap
         assert_eq!(size, Some(len));
     }
     let err = got.expect_err("the receive fails");
-    assert!(err.msg.contains("trunc"), "{err}");
+    assert_eq!(err.kind, core::Kind::Truncated, "{err}");
     assert!(
         dst[cap..].iter().all(|&b| b == 0x5A),
         "written past the buffer"
@@ -159,6 +159,7 @@ fn forged_header(protocol: &str, junk: &[u8]) {
         }
     });
     let err = got.expect_err("a forged header fails the receive");
+    assert_eq!(err.kind, core::Kind::Protocol, "{err}");
     assert!(
         err.msg.contains("virtual device comm") && err.msg.contains("header"),
         "{err}"

@@ -143,7 +143,7 @@ pub fn listen(ctx: *mut c_void, dev: i32, handle: &mut [u8; HANDLE_SIZE]) -> Res
 /// `closeListen`.
 pub fn close_listen(l: *mut c_void) -> Result<()> {
     let l = LISTENS.remove(l).ok_or_else(|| {
-        Error::internal(format!(
+        Error::bad_handle(format!(
             "CollNet closeListen: {l:p} is not a live listen comm"
         ))
     })?;
@@ -228,7 +228,7 @@ pub fn connect_with(
     reducers: &[[u8; HANDLE_SIZE]],
 ) -> Result<*mut c_void> {
     let l = LISTENS.get(listen).ok_or_else(|| {
-        Error::internal(format!(
+        Error::bad_handle(format!(
             "CollNet connect: {listen:p} is not a live listen comm"
         ))
     })?;
@@ -423,7 +423,7 @@ pub fn connect_with(
 
 fn comm(c: *mut c_void, call: &str) -> Result<Arc<CollComm>> {
     COMMS.get(c).ok_or_else(|| {
-        Error::internal(format!(
+        Error::bad_handle(format!(
             "CollNet {call}: {c:p} is not a live collective comm"
         ))
     })
@@ -552,7 +552,7 @@ impl CollComm {
 /// `closeColl`: says goodbye to the reducers, closes the group's comms.
 pub fn close_coll(c: *mut c_void) -> Result<()> {
     let g = COMMS.remove(c).ok_or_else(|| {
-        Error::internal(format!(
+        Error::bad_handle(format!(
             "CollNet closeColl: {c:p} is not a live collective comm"
         ))
     })?;
@@ -615,7 +615,7 @@ pub fn reg_mr(
 /// `deregMr(collComm, mhandle)`.
 pub fn dereg_mr(mh: *mut c_void) -> Result<()> {
     let m = MRS.remove(mh).ok_or_else(|| {
-        Error::internal(format!(
+        Error::bad_handle(format!(
             "CollNet deregMr: {mh:p} is not a live memory handle"
         ))
     })?;
@@ -630,13 +630,13 @@ pub fn dereg_mr(mh: *mut c_void) -> Result<()> {
 /// registered with it: before anything is allocated or posted.
 fn core_mh(mh: *mut c_void, buf: usize, len: usize, what: &str, call: &str) -> Result<usize> {
     let m = MRS.get(mh).ok_or_else(|| {
-        Error::internal(format!(
+        Error::bad_handle(format!(
             "CollNet {call}: {mh:p} is not a live memory handle"
         ))
     })?;
     let inside = buf >= m.addr && buf.checked_add(len).is_some_and(|e| e <= m.addr + m.len);
     if len > 0 && !inside {
-        return Err(Error::internal(format!(
+        return Err(Error::bad_buffer(format!(
             "CollNet {call}: the {what} buffer {buf:#x} + {len} bytes lies outside its memory handle's registered range {:#x} + {} bytes",
             m.addr, m.len
         )));
@@ -1450,7 +1450,7 @@ fn window(
 pub fn test(req: *mut c_void) -> Result<Option<usize>> {
     let r = REQS
         .get(req)
-        .ok_or_else(|| Error::internal(format!("CollNet test: {req:p} is not a live request")))?;
+        .ok_or_else(|| Error::bad_handle(format!("CollNet test: {req:p} is not a live request")))?;
     let mut op = r.lock().unwrap_or_else(|e| e.into_inner());
     let kind = op.kind;
     match op.step() {

@@ -16,7 +16,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Instant;
 
-pub use crate::error::{Code, Error, Result};
+pub use crate::error::{Code, Error, Kind, Result};
 pub use crate::proto::{DeviceState, Done};
 pub use props::Properties;
 
@@ -492,9 +492,9 @@ pub fn process_ctx() -> Result<*mut c_void> {
 /// `finalize(ctx)`. The last one tears everything down (see [`teardown`]).
 pub fn finalize(ctx: *mut c_void) -> Result<()> {
     let mut g = running();
-    REG.ctx
-        .remove(ctx)
-        .ok_or_else(|| Error::internal(format!("finalize: {ctx:p} is not a live Weft context")))?;
+    REG.ctx.remove(ctx).ok_or_else(|| {
+        Error::bad_handle(format!("finalize: {ctx:p} is not a live Weft context"))
+    })?;
     if REG.ctx.is_empty() {
         if let Some(r) = g.take() {
             teardown(r);
@@ -505,7 +505,7 @@ pub fn finalize(ctx: *mut c_void) -> Result<()> {
 
 fn ctx(p: *mut c_void) -> Result<Arc<Ctx>> {
     REG.ctx.get(p).ok_or_else(|| {
-        Error::internal(format!(
+        Error::bad_handle(format!(
             "{p:p} is not a live Weft context (finalized, or not from this plugin)"
         ))
     })
@@ -536,7 +536,7 @@ fn device(plugin: &Plugin, dev: i32) -> Result<Dev> {
             virtual_: true,
         });
     }
-    Err(Error::internal(format!(
+    Err(Error::bad_handle(format!(
         "device {dev} does not exist: Weft has {nphys} device(s) and {} virtual one(s)",
         vdevs.len()
     )))
@@ -663,8 +663,9 @@ pub fn connect(
     handle: &mut [u8; HANDLE_SIZE],
 ) -> Result<Option<*mut c_void>> {
     let c = ctx(ctx_p)?;
-    let stage = wire::read_stage(handle).map_err(|e| Error::internal(e.to_string()))?;
-    let (rails, striped) = wire::decode_any(handle).map_err(|e| Error::internal(e.to_string()))?;
+    let stage = wire::read_stage(handle).map_err(|e| Error::bad_listen_handle(e.to_string()))?;
+    let (rails, striped) =
+        wire::decode_any(handle).map_err(|e| Error::bad_listen_handle(e.to_string()))?;
     let h = &rails[0];
     let ours = c.plugin.protocol.wire_id();
     if h.proto != ours {
@@ -673,7 +674,7 @@ pub fn connect(
             wire::PROTO_RDMA => "rdma".to_owned(),
             p => format!("unknown ({p})"),
         };
-        return Err(Error::internal(format!(
+        return Err(Error::bad_listen_handle(format!(
             "connect: the listener uses protocol {}, this rank {}; set the same WEFT_PROTOCOL on every rank \
              (with auto, the same provider and libfabric)",
             name(h.proto),
@@ -689,7 +690,7 @@ pub fn connect(
                 "a physical device".to_owned()
             }
         };
-        return Err(Error::internal(format!(
+        return Err(Error::bad_listen_handle(format!(
             "connect: the listener is on {}, this connect on device {dev}, {}; NCCL fused NICs differently on the two hosts (give them the same NICs, or set NCCL_NET_MERGE_LEVEL=LOC to fuse none)",
             what(striped, rails.len()),
             what(d.virtual_, d.rails.len())
@@ -723,7 +724,7 @@ pub fn connect(
                 .get(p)
                 .filter(|comm| comm.listener_nonce() == h.nonce)
                 .ok_or_else(|| {
-                    Error::internal(
+                    Error::bad_listen_handle(
                         "connect: the handle's connect stage names no connect in progress to this listener (handle reused or corrupted)",
                     )
                 })?;
@@ -751,7 +752,7 @@ pub fn connect(
 /// `accept(listenComm)`: one non-blocking step; `Some` once a peer connected.
 pub fn accept(listen: *mut c_void) -> Result<Option<*mut c_void>> {
     let l = REG.listen.get(listen).ok_or_else(|| {
-        Error::internal(format!("accept: {listen:p} is not a live Weft listen comm"))
+        Error::bad_handle(format!("accept: {listen:p} is not a live Weft listen comm"))
     })?;
     Ok(l.comm.accept()?.map(|comm| {
         REG.recv
@@ -846,7 +847,7 @@ fn registering(
     call: &str,
 ) -> Result<(usize, Vec<Arc<DeviceState>>)> {
     let found = comm_device(comm).ok_or_else(|| {
-        Error::internal(format!(
+        Error::bad_handle(format!(
             "{call}: {comm:p} is not a live Weft send or receive comm"
         ))
     })?;
@@ -920,7 +921,7 @@ fn release(h: MrHandle) {
 /// argument is not needed (it may already be closed).
 pub fn dereg_mr(_comm: *mut c_void, mh: *mut c_void) -> Result<()> {
     let h = REG.mr.remove(mh).ok_or_else(|| {
-        Error::internal(format!("deregMr: {mh:p} is not a live Weft memory handle"))
+        Error::bad_handle(format!("deregMr: {mh:p} is not a live Weft memory handle"))
     })?;
     // Normally the registry held the last reference; if a receive in
     // flight (or a data-path call) still holds one, the registrations live
@@ -943,12 +944,12 @@ fn desc_for(
     call: &str,
 ) -> Result<Arc<MrHandle>> {
     if mh.is_null() {
-        return Err(Error::internal(format!(
+        return Err(Error::bad_handle(format!(
             "{call}: buffer {data:p} comes without a memory handle (NCCL registers every buffer it passes)"
         )));
     }
     let h = REG.mr.get(mh).ok_or_else(|| {
-        Error::internal(format!(
+        Error::bad_handle(format!(
             "{call}: {mh:p} is not a live Weft memory handle (deregistered, or not from this plugin)"
         ))
     })?;
@@ -960,7 +961,7 @@ fn desc_for(
     }
     let (a, end) = (data as usize, (data as usize).checked_add(size));
     if a < h.addr || end.is_none_or(|e| e > h.addr + h.len) {
-        return Err(Error::internal(format!(
+        return Err(Error::bad_buffer(format!(
             "{call}: buffer {data:p} + {size} bytes lies outside its memory handle's registered range {:#x} + {} bytes",
             h.addr, h.len
         )));
@@ -983,10 +984,9 @@ pub unsafe fn isend(
     mh: *mut c_void,
     phandle: *mut c_void,
 ) -> Result<Option<*mut c_void>> {
-    let (serial, s) = REG
-        .send
-        .get_with_serial(comm)
-        .ok_or_else(|| Error::internal(format!("isend: {comm:p} is not a live Weft send comm")))?;
+    let (serial, s) = REG.send.get_with_serial(comm).ok_or_else(|| {
+        Error::bad_handle(format!("isend: {comm:p} is not a live Weft send comm"))
+    })?;
     let h = desc_for(mh, s.dev, data.cast(), size, "isend")?;
     // SAFETY: the buffer lies inside a live registration of NCCL's memory
     // (checked just above), which NCCL keeps until the request completes.
@@ -1029,7 +1029,7 @@ pub struct RecvArg {
 pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c_void>> {
     proto::check_recv_count(args.len())?;
     let (serial, r) = REG.recv.get_with_serial(comm).ok_or_else(|| {
-        Error::internal(format!("irecv: {comm:p} is not a live Weft receive comm"))
+        Error::bad_handle(format!("irecv: {comm:p} is not a live Weft receive comm"))
     })?;
     // No allocation on the data path: the handles live in a fixed array
     // while the buffers borrow their registrations.
@@ -1085,7 +1085,7 @@ pub fn iflush(
     mhandles: &[*mut c_void],
 ) -> Result<Option<*mut c_void>> {
     if REG.recv.get(comm).is_none() {
-        return Err(Error::internal(format!(
+        return Err(Error::bad_handle(format!(
             "iflush: {comm:p} is not a live Weft receive comm"
         )));
     }
@@ -1098,7 +1098,7 @@ pub fn iflush(
     let mut flushed: Vec<i32> = Vec::new();
     for &mh in mhandles.iter().filter(|m| !m.is_null()) {
         let h = REG.mr.get(mh).ok_or_else(|| {
-            Error::internal(format!("iflush: {mh:p} is not a live Weft memory handle"))
+            Error::bad_handle(format!("iflush: {mh:p} is not a live Weft memory handle"))
         })?;
         if let MemKind::Cuda(gpu) = h.kind() {
             if !flushed.contains(&gpu) {
@@ -1115,7 +1115,7 @@ pub fn iflush(
 /// `test(request)`: `Some` once done (the request is then freed).
 pub fn test(req: *mut c_void) -> Result<Option<Done>> {
     let not_ours = || {
-        Error::internal(format!(
+        Error::bad_handle(format!(
             "test: {req:p} is not a Weft request (stale or foreign pointer)"
         ))
     };
@@ -1131,7 +1131,7 @@ pub fn test(req: *mut c_void) -> Result<Option<Done>> {
 /// `closeSend`.
 pub fn close_send(comm: *mut c_void) -> Result<()> {
     let s = REG.send.remove(comm).ok_or_else(|| {
-        Error::internal(format!("closeSend: {comm:p} is not a live Weft send comm"))
+        Error::bad_handle(format!("closeSend: {comm:p} is not a live Weft send comm"))
     })?;
     s.events.stop_all();
     last_ref(s, "closeSend");
@@ -1165,7 +1165,7 @@ fn last_ref<C: proto::Comm + ?Sized>(c: Arc<Connected<C>>, what: &str) {
 /// `closeRecv`.
 pub fn close_recv(comm: *mut c_void) -> Result<()> {
     let c = REG.recv.remove(comm).ok_or_else(|| {
-        Error::internal(format!(
+        Error::bad_handle(format!(
             "closeRecv: {comm:p} is not a live Weft receive comm"
         ))
     })?;
@@ -1177,7 +1177,7 @@ pub fn close_recv(comm: *mut c_void) -> Result<()> {
 /// `closeListen`.
 pub fn close_listen(comm: *mut c_void) -> Result<()> {
     REG.listen.remove(comm).map(drop).ok_or_else(|| {
-        Error::internal(format!(
+        Error::bad_handle(format!(
             "closeListen: {comm:p} is not a live Weft listen comm"
         ))
     })
@@ -1266,7 +1266,7 @@ macro_rules! on_comm {
             let $c = &r.comm;
             Ok($call)
         } else {
-            Err(Error::internal(format!("{:p} is not a live comm", $comm)))
+            Err(Error::bad_handle(format!("{:p} is not a live comm", $comm)))
         }
     };
 }

@@ -15,6 +15,8 @@
 //! For tcp a closed endpoint's address may be reused by another process, so
 //! it is not remembered (and tcp does not crash there).
 
+#![forbid(unsafe_code)]
+
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, LazyLock, Mutex, RwLock, RwLockReadGuard, Weak};
 

@@ -36,15 +36,35 @@ pub const PROVIDER_DEFAULTS: &[(&str, &str, &str)] = &[(
 )];
 
 /// Sets each of [`PROVIDER_DEFAULTS`] the environment leaves unset (once
-/// per process; an INFO line names each). If libfabric was already
-/// initialised in this process by someone else, they have no effect.
+/// per process, at the first `init`, before Weft's first `fi_getinfo`; an
+/// INFO line names each). If libfabric was already initialised in this
+/// process by someone else, they have no effect.
+///
+/// libfabric takes these settings from the environment alone (rxm reads
+/// `msg_rx_size` once, when the provider loads, and no hint or `fi_setopt`
+/// reaches it), so this is the one place Weft changes the process's
+/// environment. Why that is a hazard, and when it is not: glibc's `setenv`
+/// takes a lock that `getenv` does not; adding a variable copies the
+/// environment array into a new one, and the old array is freed only when
+/// an earlier `setenv`/`putenv` in the process had already replaced the
+/// original. So a thread reading the environment at that instant reads
+/// freed memory only if the process had already grown its environment
+/// (Python's `os.environ` assignments do) and another thread calls `getenv`
+/// in that instant. It happens before any thread of Weft's exists. An
+/// operator who wants no such window exports the variable in the job's
+/// environment (any value, e.g. Weft's `256`): then nothing is set.
 pub fn provider_defaults() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         for (var, value, why) in PROVIDER_DEFAULTS {
             if std::env::var_os(var).is_none() {
+                // The one write to the environment (see above).
                 std::env::set_var(var, value);
-                tracing::info!(target: "weft::init", "{var}={value} (Weft's default: {why}); set it to override");
+                tracing::info!(
+                    target: "weft::init",
+                    "{var}={value} (Weft's default: {why}); export it in the job's environment to override, \
+                     or to keep Weft from setting it"
+                );
             }
         }
     });

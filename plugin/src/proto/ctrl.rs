@@ -27,7 +27,7 @@ use libfabric_sys as fi;
 use super::pool::SLOT_ALIGN;
 use super::wire::{Ctrl, CTRL_MAX};
 use super::DeviceState;
-use crate::error::{Error, Result};
+use crate::error::{Error, Kind, Result};
 use crate::fabric::local::{self, LocalEp, Locality};
 use crate::fabric::{Endpoint, FiAddr, FiError};
 use crate::freelist::{Elem, Freelist, HostPages, Params};
@@ -302,6 +302,9 @@ pub(crate) struct Link {
     pub(crate) last_said: Option<Instant>,
     /// Why the peer was declared dead.
     pub(crate) dead: Option<String>,
+    /// What its death was: [`Kind::PeerDead`], or [`Kind::PeerClosed`]
+    /// when it said `Bye` and nothing more can come.
+    pub(crate) dead_kind: Kind,
 }
 
 impl Link {
@@ -315,6 +318,7 @@ impl Link {
             last_heard: Instant::now(),
             last_said: None,
             dead: None,
+            dead_kind: Kind::PeerDead,
         }
     }
 
@@ -360,7 +364,7 @@ impl Link {
     /// An error if the peer was declared dead.
     pub(crate) fn check(&self) -> Result<()> {
         match &self.dead {
-            Some(why) => Err(Error::remote(why.clone())),
+            Some(why) => Err(Error::remote(why.clone()).of_kind(self.dead_kind)),
             None => Ok(()),
         }
     }
@@ -372,6 +376,7 @@ impl Link {
             self.name,
             self.dead.as_deref().unwrap_or("no reason recorded")
         ))
+        .of_kind(self.dead_kind)
     }
 
     /// Whether `Alive` is due at `now`, one heartbeat `period` after the last.

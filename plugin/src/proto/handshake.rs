@@ -350,7 +350,7 @@ pub(crate) fn connect_step<S>(
             Ok(()) => connecting(st).conn_sent(now),
             Err(e) if e.is_again() => {}
             Err(e) => {
-                return Err(Error::remote(format!(
+                return Err(Error::peer_dead(format!(
                     "connect: cannot reach the listener: {e}"
                 )))
             }
@@ -361,7 +361,7 @@ pub(crate) fn connect_step<S>(
         return Ok(true);
     }
     if connecting(st).expired(Instant::now()) {
-        return Err(Error::remote(format!(
+        return Err(Error::peer_dead(format!(
             "connect: no answer from the listener within {:.1} s (WEFT_PEER_TIMEOUT): is the peer process alive and using the same Weft?",
             timeout.as_secs_f64()
         )));

@@ -55,7 +55,7 @@ use super::{
     Comm, DeviceState, Done, Hold, Listener, Mem, Receiver, RecvBuf, ReqId, Sender, MAX_RECVS,
     MAX_REQUESTS,
 };
-use crate::error::{Error, Result};
+use crate::error::{Error, Kind, Result};
 use crate::fabric::Mr;
 use crate::mr::Region;
 
@@ -797,7 +797,7 @@ impl StripedRecv {
             };
             let got = &st.headers.read(slot)[..d.sizes[0].min(SLOT)];
             let bad = |why: String| {
-                Error::remote(format!(
+                Error::protocol(format!(
                     "virtual device comm from {}: tag {}: {why}; the peer is not a matching Weft, or the stream is corrupted",
                     peer_names(&self.rails),
                     req.tag
@@ -888,7 +888,8 @@ impl StripedRecv {
                     req.size,
                     req.tag,
                     req.cap
-                )));
+                ))
+                .of_kind(Kind::Truncated));
             }
             if m.bytes != req.size {
                 return Err(Error::remote(format!(
@@ -1091,7 +1092,7 @@ mod tests {
         }
         fn test(&self, _: ReqId) -> Result<Option<Done>> {
             if self.dead {
-                Err(Error::remote("peer declared dead".to_owned()))
+                Err(Error::peer_dead("peer declared dead".to_owned()))
             } else {
                 Ok(None)
             }

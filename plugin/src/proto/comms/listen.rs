@@ -1,5 +1,7 @@
 //! The accepting side: a listener is an id on the passive endpoint.
 
+#![forbid(unsafe_code)]
+
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -199,7 +201,7 @@ impl Listener for ListenComm {
         // NCCL connects one peer per listener: a failure is its answer only
         // when nothing else is pending.
         match book.failed.take() {
-            Some(why) if book.shakes.idle() => Err(Error::remote(why)),
+            Some(why) if book.shakes.idle() => Err(Error::peer_dead(why)),
             _ => Ok(None),
         }
     }

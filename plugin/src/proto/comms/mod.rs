@@ -116,7 +116,7 @@ use super::pool::Pool;
 use super::sync::{hold, keeper_lock, lock, try_lock};
 use super::wire::{Ctrl, ListenHandle, PROTO_RDMA, PROTO_SENDRECV};
 use super::{heartbeat_period, DeviceState, Listener, Protocol, ReqId, Sender};
-use crate::error::{Error, Result};
+use crate::error::{Error, Kind, Result};
 use crate::fabric::Endpoint;
 
 mod listen;
@@ -331,7 +331,8 @@ impl PeerLink {
                     return Err(Error::remote(format!(
                         "control message to {} failed: {e}",
                         self.link.name
-                    )))
+                    ))
+                    .of_kind(Kind::Provider(e.code)))
                 }
             }
         }
@@ -406,6 +407,12 @@ fn close_wait<S: Side>(
 }
 
 fn die<S: Side>(st: &mut S, why: String) {
+    die_as(st, Kind::PeerDead, why);
+}
+
+/// [`die`], recording what the death was (`Kind::PeerClosed`: a `Bye`
+/// after which nothing more can come).
+fn die_as<S: Side>(st: &mut S, kind: Kind, why: String) {
     if st.peer().link.dead.is_some() {
         return;
     }
@@ -413,6 +420,7 @@ fn die<S: Side>(st: &mut S, why: String) {
     let p = st.peer();
     warn_dead(S::WHAT, &p.link.name, &why, failed);
     p.link.dead = Some(why);
+    p.link.dead_kind = kind;
 }
 
 /// One heartbeat tick (the keeper): `Alive` when due, progress, and death
@@ -484,7 +492,7 @@ fn take_done<S: Side, R: Copy>(
         .filter(|_| current)
         .copied()
         .ok_or_else(|| {
-            Error::internal(format!(
+            Error::bad_handle(format!(
                 "test: not a live {what} request (already completed and reported, or a stale pointer)"
             ))
         })?;
@@ -534,5 +542,5 @@ fn truncation(
          {what}. NCCL never sends more than the receiver posted, so both ranks must run the same NCCL"
     );
     tracing::warn!("{msg}");
-    Error::internal(msg)
+    Error::internal(msg).of_kind(Kind::Truncated)
 }

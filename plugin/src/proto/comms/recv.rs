@@ -271,7 +271,7 @@ impl Comm for RecvComm {
         if r.dead {
             return Err(match st.peer.link.dead {
                 Some(_) => st.peer.link.dead_error(),
-                None => Error::remote(format!(
+                None => Error::peer_closed(format!(
                     "receive from {}: {PEER_CLOSED}; this message never came",
                     st.peer.link.name
                 )),
@@ -454,7 +454,7 @@ impl RecvState {
             }
             Path::Tagged => {
                 if self.peer_sent == Some(self.matched) {
-                    die(self, PEER_CLOSED.to_owned());
+                    die_as(self, Kind::PeerClosed, PEER_CLOSED.to_owned());
                 }
             }
         }
@@ -481,7 +481,7 @@ impl RecvState {
         if servable {
             return Ok(());
         }
-        Err(Error::remote(format!(
+        Err(Error::peer_closed(format!(
             "irecv from {}: {PEER_CLOSED}, and nothing it sent is left for this receive",
             self.peer.link.name
         )))

@@ -99,9 +99,9 @@ impl SendComm {
         let seat = Seat::new(&dev, Port::Active)?;
         let listener = Peer::insert(seat.ep(), &handle.addr).map_err(|e| {
             if e.code == fi::FI_ENOTCONN {
-                Error::remote(format!("connect: the listener is gone: {e}"))
+                Error::peer_dead(format!("connect: the listener is gone: {e}"))
             } else {
-                Error::internal(format!("the handle's listener address is unusable: {e}"))
+                Error::bad_listen_handle(format!("the handle's listener address is unusable: {e}"))
             }
         })?;
         // One send per buffer NCCL may have posted (32 requests x 8).
@@ -190,7 +190,7 @@ impl Sender for SendComm {
         }
         st.peer.link.check()?;
         if st.peer.bye_heard {
-            return Err(Error::remote(format!(
+            return Err(Error::peer_closed(format!(
                 "isend to {}: {PEER_CLOSED}",
                 st.peer.link.name
             )));
@@ -289,7 +289,8 @@ impl SendComm {
                 Err(Error::remote(format!(
                     "isend of {size} bytes to {} failed: {e}",
                     st.peer.link.name
-                )))
+                ))
+                .of_kind(Kind::Provider(e.code)))
             }
         }
     }
@@ -360,7 +361,8 @@ impl SendComm {
                     return Err(Error::remote(format!(
                         "isend of {size} bytes to {} failed: {e}",
                         st.peer.link.name
-                    )))
+                    ))
+                    .of_kind(Kind::Provider(e.code)))
                 }
             }
             st.credits -= 1;
@@ -429,7 +431,8 @@ impl SendComm {
                 return Err(Error::remote(format!(
                     "isend of {size} bytes to {} failed: {e}",
                     st.peer.link.name
-                )));
+                ))
+                .of_kind(Kind::Provider(e.code)));
             }
         }
         st.offers.remove(at);
@@ -485,7 +488,7 @@ impl Comm for SendComm {
                     crate::fabric::strerror(e)
                 );
                 tracing::warn!("{msg}");
-                Err(Error::remote(msg))
+                Err(Error::remote(msg).of_kind(Kind::Provider(e)))
             }
         }
     }
