@@ -149,6 +149,111 @@ pub struct Config {
     pub collnet_reducers: Vec<ReducerRef>,
     /// Where each parameter of [`PARAMS`] came from, in that order.
     pub sources: Vec<Source>,
+    /// The test-only switches ([`TEST_SWITCHES`]).
+    pub test: TestSwitches,
+}
+
+/// The switches only Weft's tests set: they make the plugin behave as a
+/// provider this machine lacks would make it (narrow immediates, offset
+/// addressing, strict MR modes, device memory registered as host memory).
+/// Read and validated with the rest of the configuration; nothing else in
+/// the plugin reads a `WEFT_TEST_*` variable.
+pub const TEST_SWITCHES: &[Param] = &[
+    Param {
+        name: "WEFT_TEST_MR_OFFSET",
+        default: "unset",
+        accepted: "`1`, `0`",
+        meaning: "the plugin asks libfabric for RMA without `FI_MR_VIRT_ADDR`, so peers address registrations by offset (shm offers either)",
+    },
+    Param {
+        name: "WEFT_TEST_NARROW_IMM",
+        default: "unset",
+        accepted: "`1`, `0`",
+        meaning: "the plugin behaves as if writes carried 4 bytes of immediate data (EFA, verbs), so rdma sends every size in a `Wrote` control message",
+    },
+    Param {
+        name: "WEFT_TEST_MR_MODE",
+        default: "unset",
+        accepted: "comma-separated `local`, `prov_key`, `allocated`, `endpoint`",
+        meaning: "the plugin honours and checks these MR modes as if the provider required them (neither here does): every posted buffer carries its descriptor, keys are arbitrary 64-bit values read back with `fi_mr_key`, unmapped memory is never registered, registrations are bound to the device's passive endpoint and enabled before use",
+    },
+    Param {
+        name: "WEFT_TEST_HMEM",
+        default: "unset",
+        accepted: "`system`",
+        meaning: "device memory (what the CUDA driver says is device memory) is registered as host memory, and discovery does not ask the provider for FI_HMEM: with the fake driver of `tests/c/fake_cuda.c`, whose device memory is host memory, this runs Weft's whole CUDA path on a libfabric without CUDA",
+    },
+];
+
+/// The MR modes Weft honours as if the provider required them
+/// (`WEFT_TEST_MR_MODE`; see `fabric::domain`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StrictMr {
+    /// `FI_MR_LOCAL`.
+    pub local: bool,
+    /// `FI_MR_PROV_KEY`.
+    pub prov_key: bool,
+    /// `FI_MR_ALLOCATED`.
+    pub allocated: bool,
+    /// `FI_MR_ENDPOINT`.
+    pub endpoint: bool,
+}
+
+/// The values of [`TEST_SWITCHES`]; all off unless a test sets them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TestSwitches {
+    /// `WEFT_TEST_MR_OFFSET=1`.
+    pub mr_offset: bool,
+    /// `WEFT_TEST_NARROW_IMM=1`.
+    pub narrow_imm: bool,
+    /// `WEFT_TEST_MR_MODE`.
+    pub strict_mr: StrictMr,
+    /// `WEFT_TEST_HMEM=system`.
+    pub hmem_as_system: bool,
+}
+
+impl TestSwitches {
+    fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let flag = |name: &'static str| match get(name).as_deref().map(str::trim) {
+            None | Some("0") => Ok(false),
+            Some("1") => Ok(true),
+            Some(v) => Err(err(name, v, "not a switch value")),
+        };
+        let mut t = Self {
+            mr_offset: flag("WEFT_TEST_MR_OFFSET")?,
+            narrow_imm: flag("WEFT_TEST_NARROW_IMM")?,
+            ..Self::default()
+        };
+        if let Some(v) = get("WEFT_TEST_MR_MODE") {
+            for m in list("WEFT_TEST_MR_MODE", &v)? {
+                match m.as_str() {
+                    "local" => t.strict_mr.local = true,
+                    "prov_key" => t.strict_mr.prov_key = true,
+                    "allocated" => t.strict_mr.allocated = true,
+                    "endpoint" => t.strict_mr.endpoint = true,
+                    other => {
+                        return Err(err(
+                            "WEFT_TEST_MR_MODE",
+                            &v,
+                            format!("unknown MR mode {other:?}"),
+                        ))
+                    }
+                }
+            }
+        }
+        if let Some(v) = get("WEFT_TEST_HMEM") {
+            if v.trim() != "system" {
+                return Err(err("WEFT_TEST_HMEM", &v, "unknown memory kind"));
+            }
+            t.hmem_as_system = true;
+        }
+        Ok(t)
+    }
+
+    /// Whether any switch is on.
+    pub fn any(&self) -> bool {
+        *self != Self::default()
+    }
 }
 
 /// The default provider order when `WEFT_PROVIDER` is unset.
@@ -171,6 +276,7 @@ pub struct ConfigError {
 fn param(name: &str) -> &'static Param {
     PARAMS
         .iter()
+        .chain(TEST_SWITCHES)
         .find(|p| p.name == name)
         .unwrap_or_else(|| panic!("{name} is missing from config::PARAMS"))
 }
@@ -355,6 +461,7 @@ impl Config {
                 c.sources[i] = source;
             }
         };
+        c.test = TestSwitches::from_lookup(get)?;
         let fi = get("FI_PROVIDER").map(|v| (FiProvider::parse(&v), v));
         if let Some(v) = get("WEFT_PROVIDER") {
             let providers: Vec<String> = list("WEFT_PROVIDER", &v)?
@@ -490,6 +597,9 @@ impl Config {
         for (name, value, source) in self.effective() {
             tracing::info!(target: "weft::init", "{name} = {value} ({source})");
         }
+        if self.test.any() {
+            tracing::warn!(target: "weft::init", "test-only switches are on: {:?}", self.test);
+        }
     }
 }
 
@@ -505,6 +615,7 @@ impl Default for Config {
             stripe_size: 128 << 10,
             collnet_reducers: Vec::new(),
             sources: vec![Source::Default; PARAMS.len()],
+            test: TestSwitches::default(),
         }
     }
 }
@@ -602,7 +713,7 @@ mod tests {
             "WEFT_PEER_TIMEOUT" => "0",
             _ => "-3",
         };
-        for p in PARAMS {
+        for p in PARAMS.iter().chain(TEST_SWITCHES) {
             let v = bad(p.name);
             let e = with(&[(p.name, v)]).expect_err(p.name);
             assert_eq!(e.name, p.name);
@@ -612,6 +723,33 @@ mod tests {
                 "{msg}"
             );
         }
+    }
+
+    /// The test switches are typed and read with the rest: a list of MR
+    /// modes becomes the modes, a switch is `1` or `0`, and unset is off.
+    #[test]
+    fn test_switches_are_read_with_the_configuration() {
+        assert!(!with(&[]).unwrap().test.any(), "off unless set");
+        let c = with(&[
+            ("WEFT_TEST_MR_MODE", "local, endpoint"),
+            ("WEFT_TEST_NARROW_IMM", "1"),
+            ("WEFT_TEST_MR_OFFSET", "0"),
+            ("WEFT_TEST_HMEM", "system"),
+        ])
+        .unwrap();
+        let want = TestSwitches {
+            mr_offset: false,
+            narrow_imm: true,
+            strict_mr: StrictMr {
+                local: true,
+                endpoint: true,
+                ..StrictMr::default()
+            },
+            hmem_as_system: true,
+        };
+        assert_eq!(c.test, want);
+        let e = with(&[("WEFT_TEST_MR_MODE", "local,virt")]).unwrap_err();
+        assert!(e.to_string().contains("\"virt\""), "{e}");
     }
 
     /// NCCL's and libfabric's conventions: an empty variable is unset, and

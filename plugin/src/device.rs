@@ -7,7 +7,7 @@
 
 #![forbid(unsafe_code)]
 
-use crate::config::Config;
+use crate::config::{Config, TestSwitches};
 use crate::fabric::{FiError, Hints, InfoList, OwnedInfo};
 
 /// One NIC as NCCL sees it.
@@ -36,6 +36,8 @@ pub struct Device {
     /// Whether both infos ask for `FI_HMEM` (asked only where a CUDA
     /// driver is usable), or why not.
     pub hmem: Result<(), String>,
+    /// The test switches of the configuration it was found with.
+    pub test: TestSwitches,
 }
 
 impl Device {
@@ -45,6 +47,20 @@ impl Device {
         match (&self.rma_info, rma) {
             (Some(i), true) => i.as_ref(),
             _ => self.info.as_ref(),
+        }
+    }
+
+    /// How its domain behaves beyond what the provider asks (the test
+    /// switches of its configuration).
+    pub fn domain_options(&self) -> crate::fabric::DomainOptions {
+        let m = self.test.strict_mr;
+        let bit = |on: bool, b: u32| if on { b } else { 0 };
+        crate::fabric::DomainOptions {
+            strict: bit(m.local, libfabric_sys::FI_MR_LOCAL)
+                | bit(m.prov_key, libfabric_sys::FI_MR_PROV_KEY)
+                | bit(m.allocated, libfabric_sys::FI_MR_ALLOCATED)
+                | bit(m.endpoint, libfabric_sys::FI_MR_ENDPOINT),
+            hmem_as_system: self.test.hmem_as_system,
         }
     }
 }
@@ -77,9 +93,9 @@ fn hints(provider: &str, hmem: bool) -> Hints {
 }
 
 /// Asks libfabric what `provider` offers each domain with `FI_RMA`.
-fn rma_of(provider: &str, hmem: bool) -> Vec<(String, Rma, OwnedInfo)> {
+fn rma_of(provider: &str, hmem: bool, test: &TestSwitches) -> Vec<(String, Rma, OwnedInfo)> {
     let mut h = hints(provider, hmem);
-    if std::env::var("WEFT_TEST_MR_OFFSET").is_ok_and(|v| v == "1") {
+    if test.mr_offset {
         // Test switch: ask for offset addressing (shm offers either).
         h.mr_mode &= !libfabric_sys::FI_MR_VIRT_ADDR;
     }
@@ -163,7 +179,7 @@ pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), Dis
         // must be opened with it for device memory to register.
         let offers = |l: &InfoList| l.iter().any(|i| i.provider() == provider);
         let (list, hmem) = match crate::gpu::driver() {
-            Ok(_) if crate::fabric::test_hmem_as_system() => {
+            Ok(_) if config.test.hmem_as_system => {
                 (InfoList::get(&hints(provider, false))?, Ok(()))
             }
             Ok(_) => match InfoList::get(&hints(provider, true)) {
@@ -181,7 +197,8 @@ pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), Dis
         // test switch, which takes the domains as they are).
         let rmas = rma_of(
             provider,
-            hmem.is_ok() && !crate::fabric::test_hmem_as_system(),
+            hmem.is_ok() && !config.test.hmem_as_system,
+            &config.test,
         );
         let mut devices: Vec<Device> = Vec::new();
         let mut filtered = Vec::new();
@@ -216,6 +233,7 @@ pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), Dis
                 info: info.to_owned()?,
                 rma_info: rma.and_then(|(.., i)| i.as_ref().to_owned().ok()),
                 hmem: hmem.clone(),
+                test: config.test,
             });
         }
         let outcome = if !devices.is_empty() {

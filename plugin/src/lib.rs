@@ -39,6 +39,8 @@ pub mod memkind;
 pub mod mr;
 pub mod nccl;
 pub mod proto;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 // The exported tables: one line per API version and family, generated from
 // the descriptors in `weft-api` by `weft-macros`.

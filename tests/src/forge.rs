@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use weft::fabric::{Completion, Domain, Endpoint, FiAddr, Mr, ACCESS_ALL};
 use weft::proto::wire::{Ctrl, ListenHandle, CTRL_MAX};
-use weft::proto::{frame, unframe, CTRL_HEAD};
+use weft::testing::{frame, unframe, CTRL_HEAD};
 
 /// The hand-driven peer.
 #[derive(Debug)]

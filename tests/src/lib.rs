@@ -47,30 +47,6 @@ pub const TEST_PARAMS: &[Param] = &[
         accepted: "`1`",
         meaning: "marks a test rerun in a process of its own under plain `cargo test` (`weft_tests::isolated!`); nextest needs none",
     },
-    Param {
-        name: "WEFT_TEST_MR_OFFSET",
-        default: "unset",
-        accepted: "`1`",
-        meaning: "the plugin asks libfabric for RMA without `FI_MR_VIRT_ADDR`, so peers address registrations by offset (shm offers either); read by the plugin itself, set by the tests that cover that path",
-    },
-    Param {
-        name: "WEFT_TEST_NARROW_IMM",
-        default: "unset",
-        accepted: "`1`",
-        meaning: "the plugin behaves as if writes carried 4 bytes of immediate data (EFA, verbs), so rdma sends every size in a `Wrote` control message; read by the plugin itself, set by the tests that cover that path",
-    },
-    Param {
-        name: "WEFT_TEST_MR_MODE",
-        default: "unset",
-        accepted: "comma-separated `local`, `prov_key`, `allocated`, `endpoint`",
-        meaning: "the plugin honours and checks these MR modes as if the provider required them (neither here does): every posted buffer carries its descriptor, keys are arbitrary 64-bit values read back with `fi_mr_key`, unmapped memory is never registered, registrations are bound to the device's passive endpoint and enabled before use; read by the plugin itself, set by the tests that cover those paths",
-    },
-    Param {
-        name: "WEFT_TEST_HMEM",
-        default: "unset",
-        accepted: "`system`",
-        meaning: "device memory (what the CUDA driver says is device memory) is registered as host memory, and discovery does not ask the provider for FI_HMEM: with the fake driver of `tests/c/fake_cuda.c`, whose device memory is host memory, this runs Weft's whole CUDA path on a libfabric without CUDA; read by the plugin itself, set by `tests/tests/gpu.rs`",
-    },
 ];
 
 /// The poll-loop timeout (`WEFT_TEST_TIMEOUT`, default 300 s).
@@ -390,7 +366,12 @@ mod tests {
         let table = weft::config::markdown_table(super::TEST_PARAMS);
         assert!(
             doc.contains(&table),
-            "docs/testing.md's test-switch table differs from tests/src/lib.rs; it must read:\n{table}"
+            "docs/testing.md's table of the runner's variables differs from tests/src/lib.rs; it must read:\n{table}"
+        );
+        let table = weft::config::markdown_table(weft::config::TEST_SWITCHES);
+        assert!(
+            doc.contains(&table),
+            "docs/testing.md's table of test switches differs from weft::config::TEST_SWITCHES; it must read:\n{table}"
         );
     }
 }

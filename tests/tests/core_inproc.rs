@@ -720,3 +720,32 @@ fn protocol_selection_follows_what_the_provider_offers() {
     let (p, _) = weft::proto::choose(P::SendRecv, &devices).unwrap();
     assert_eq!(p.name(), "sendrecv");
 }
+
+/// The test switch `WEFT_TEST_MR_MODE` reaches the devices' domains through
+/// the configuration: with `allocated`, `regMr` of memory that is not mapped
+/// fails naming `FI_MR_ALLOCATED` (tcp registers it without the switch).
+fn strict_mr_switch_reaches_the_domain(provider: &str) {
+    std::env::set_var("WEFT_TEST_MR_MODE", "allocated");
+    let ctx = init(provider);
+    let (s, r) = pair(ctx);
+    // SAFETY: a fresh anonymous mapping, unmapped at once: its range is
+    // then not allocated memory, and nothing reads it.
+    let gone = unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            8192,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        assert_ne!(p, libc::MAP_FAILED);
+        libc::munmap(p, 8192);
+        p
+    };
+    let e = core::reg_mr(r, gone, 8192, 1).expect_err("unmapped memory under the switch");
+    assert!(e.msg.contains("FI_MR_ALLOCATED"), "{provider}: {e}");
+    close_pair(s, r);
+    core::finalize(ctx).unwrap();
+}
+weft_tests::each!(strict_mr_switch_reaches_the_domain: tcp_rdma, tcp_sendrecv);

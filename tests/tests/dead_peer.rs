@@ -160,7 +160,7 @@ fn dead_peer_mid_transfer(provider: &str) {
         // Reported only once the provider owns none of its buffers.
         let comm = if what == "send" { s } else { r };
         assert!(
-            !core::endpoint_open_for_test(comm).unwrap(),
+            !weft::testing::endpoint_open(comm).unwrap(),
             "{provider}: a {what} failed while the comm's endpoint could still use its buffer"
         );
         assert_eq!(err.code, core::Code::Remote, "{provider} {what}: {err}");

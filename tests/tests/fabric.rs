@@ -4,7 +4,8 @@
 
 use std::sync::Arc;
 
-use weft::fabric::{Completion, Domain, Endpoint, FiAddr, FiError, Mr, ACCESS_ALL};
+use libfabric_sys as fi;
+use weft::fabric::{Completion, Domain, DomainOptions, Endpoint, FiAddr, FiError, Mr, ACCESS_ALL};
 use weft_tests::{loopback, poll_until};
 
 struct Side {
@@ -13,6 +14,11 @@ struct Side {
 }
 
 fn open_pair(provider: &str) -> (Arc<Domain>, Side, Side) {
+    open_pair_with(provider, DomainOptions::default())
+}
+
+/// [`open_pair`] on a domain opened with `options`.
+fn open_pair_with(provider: &str, options: DomainOptions) -> (Arc<Domain>, Side, Side) {
     let devs = weft::device::discover(&loopback(provider))
         .unwrap_or_else(|e| panic!("{provider}: no loopback device: {e}"));
     let dev = &devs[0];
@@ -23,7 +29,7 @@ fn open_pair(provider: &str) -> (Arc<Domain>, Side, Side) {
             "tests must only use the loopback interface"
         );
     }
-    let domain = Domain::open(dev.info.as_ref()).expect("open domain");
+    let domain = Domain::open_with(dev.info.as_ref(), options).expect("open domain");
     let open = || Endpoint::open_own(&domain).expect("open endpoint, its CQ and AV");
     let (a, b) = (open(), open());
     let pa = b
@@ -165,14 +171,17 @@ fn garbage_peer_address_is_an_error_not_a_crash() {
     }
 }
 
-/// `WEFT_TEST_MR_MODE`: each MR mode Weft honours for a provider that would
-/// require it is checked, and the check fails where Weft's obligation is
-/// not met.
+/// Strict MR modes (`WEFT_TEST_MR_MODE`, here given to the domain itself):
+/// each MR mode Weft honours for a provider that would require it is
+/// checked, and the check fails where Weft's obligation is not met.
 #[test]
 fn strict_mr_modes_refuse_what_such_a_provider_would() {
     weft_tests::isolated!();
-    std::env::set_var("WEFT_TEST_MR_MODE", "local,prov_key,allocated");
-    let (domain, a, _b) = open_pair("shm");
+    let strict = DomainOptions {
+        strict: fi::FI_MR_LOCAL | fi::FI_MR_PROV_KEY | fi::FI_MR_ALLOCATED,
+        ..DomainOptions::default()
+    };
+    let (domain, a, _b) = open_pair_with("shm", strict);
     let mut buf = vec![0u8; 4096];
     // FI_MR_LOCAL: a posted buffer without its descriptor is refused.
     // SAFETY: refused before libfabric sees it (and `buf` outlives `a`).
@@ -236,14 +245,18 @@ fn strict_mr_modes_refuse_what_such_a_provider_would() {
     drop((a, _b));
 }
 
-/// `WEFT_TEST_MR_MODE=endpoint`: registrations are bound to the domain's
-/// endpoint for them and enabled; none can be made before that endpoint
-/// exists, and a buffer whose registration is not enabled is refused.
+/// Strict `FI_MR_ENDPOINT` (`WEFT_TEST_MR_MODE=endpoint`): registrations
+/// are bound to the domain's endpoint for them and enabled; none can be
+/// made before that endpoint exists, and a buffer whose registration is not
+/// enabled is refused.
 #[test]
 fn strict_mr_endpoint_binds_before_use() {
     weft_tests::isolated!();
-    std::env::set_var("WEFT_TEST_MR_MODE", "local,endpoint");
-    let (domain, a, _b) = open_pair("shm");
+    let strict = DomainOptions {
+        strict: fi::FI_MR_LOCAL | fi::FI_MR_ENDPOINT,
+        ..DomainOptions::default()
+    };
+    let (domain, a, _b) = open_pair_with("shm", strict);
     let mut buf = vec![0u8; 4096];
     // SAFETY: refused before libfabric sees it.
     let e = unsafe { Mr::register(&domain, buf.as_ptr(), 4096, ACCESS_ALL) }
@@ -255,7 +268,6 @@ fn strict_mr_endpoint_binds_before_use() {
         .expect("bound and enabled");
     // A descriptor that names no enabled registration (here: another
     // domain's) is refused.
-    std::env::remove_var("WEFT_TEST_MR_MODE");
     let other = weft_tests::loopback_domain("shm").unwrap();
     // SAFETY: `buf` outlives the registration.
     let foreign = unsafe { Mr::register(&other, buf.as_ptr(), 4096, ACCESS_ALL) }.unwrap();

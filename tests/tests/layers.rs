@@ -14,7 +14,8 @@
 //! 5. `proto` (the protocols: hub, comms, handshake, wire);
 //! 6. `core` (the version-free plugin: contexts, devices, registrations, the keeper);
 //! 7. `collnet`;
-//! 8. `adapter` (the C boundary the generated tables call).
+//! 8. `adapter` (the C boundary the generated tables call), `testing` (the
+//!    hooks and framing only Weft's tests use, cargo feature `testing`).
 //!
 //! `lib.rs` (the crate root, with the generated tables) and the binaries
 //! sit above everything.
@@ -33,7 +34,7 @@ const LAYERS: &[&[&str]] = &[
     &["proto"],
     &["core"],
     &["collnet"],
-    &["adapter"],
+    &["adapter", "testing"],
 ];
 
 fn layer(module: &str) -> Option<usize> {

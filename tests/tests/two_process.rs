@@ -116,7 +116,7 @@ fn shm_two_processes_offset_addressing() {
     std::env::set_var("WEFT_TEST_MR_OFFSET", "1");
     with_protocol("rdma", "shm");
     assert!(
-        !core::virt_addr_for_test(0).unwrap(),
+        !weft::testing::virt_addr(0).unwrap(),
         "shm was asked for offsets but reports FI_MR_VIRT_ADDR"
     );
 }

@@ -8,6 +8,8 @@
 //! while libfabric runs. No version number appears here.
 
 pub mod handles;
+#[cfg(feature = "testing")]
+pub(crate) mod hooks;
 pub mod keeper;
 pub mod profiler;
 pub mod props;
@@ -218,7 +220,7 @@ fn start(config: Option<Config>) -> Result<Running> {
     let mut all_props = Vec::with_capacity(found.len());
     for (index, dev) in found.into_iter().enumerate() {
         let mut p = props::properties(index, &dev, &config);
-        let domain = Domain::open(dev.info_for(rma)).map_err(|e| {
+        let domain = Domain::open_with(dev.info_for(rma), dev.domain_options()).map_err(|e| {
             Error::from(e).context(format!("opening device {index} ({})", dev.domain))
         })?;
         let cuda = match gpu_claim(&dev, &domain) {
@@ -1196,12 +1198,6 @@ pub struct DeviceStats {
     pub eager_size: usize,
 }
 
-/// Test hook: whether device `dev` addresses remote registrations by
-/// virtual address (`FI_MR_VIRT_ADDR`) rather than by offset.
-pub fn virt_addr_for_test(dev: i32) -> Result<bool> {
-    Ok(physical(&*plugin()?, dev)?.virt_addr())
-}
-
 /// The protocol the running plugin chose (`sendrecv`, `rdma`).
 pub fn protocol_name() -> Result<&'static str> {
     Ok(plugin()?.protocol.name())
@@ -1253,48 +1249,6 @@ pub fn with_properties<T>(dev: i32, f: impl FnOnce(&Properties) -> Result<T>) ->
     } else {
         f(&p.props[d.index])
     }
-}
-
-/// Evaluates `$call` with `$c` bound to send or receive comm `$comm`,
-/// whichever it is (the test hooks ask both kinds the same thing).
-macro_rules! on_comm {
-    ($comm:expr, |$c:ident| $call:expr) => {
-        if let Some(s) = REG.send.get($comm) {
-            let $c = &s.comm;
-            Ok($call)
-        } else if let Some(r) = REG.recv.get($comm) {
-            let $c = &r.comm;
-            Ok($call)
-        } else {
-            Err(Error::bad_handle(format!("{:p} is not a live comm", $comm)))
-        }
-    };
-}
-
-/// Test hook: holds the state lock of send or receive comm `comm`, as a
-/// keeper stuck inside the provider would, until `release` fires; `held` is
-/// signalled once it is held. NCCL's calls on that comm must not wait.
-#[doc(hidden)]
-pub fn hold_comm_for_test(
-    comm: *mut c_void,
-    held: &std::sync::mpsc::Sender<()>,
-    release: &std::sync::mpsc::Receiver<()>,
-) -> Result<()> {
-    on_comm!(comm, |c| c.hold(held, release))
-}
-
-/// Test hook: whether send or receive comm `comm`'s endpoint is still open,
-/// i.e. whether the provider may still own buffers posted on it.
-#[doc(hidden)]
-pub fn endpoint_open_for_test(comm: *mut c_void) -> Result<bool> {
-    on_comm!(comm, |c| c.endpoint_open())
-}
-
-/// Test hook: send or receive comm `comm`'s id and token on its device's
-/// shared endpoint (what a third party would have to learn to speak for it).
-#[doc(hidden)]
-pub fn wire_id_for_test(comm: *mut c_void) -> Result<Option<(u32, u32)>> {
-    on_comm!(comm, |c| c.wire_id())
 }
 
 /// Checks that `ctx` is a live context.

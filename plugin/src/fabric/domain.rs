@@ -79,8 +79,10 @@ pub struct Domain {
     /// The secret that makes requested keys unpredictable ([`Domain::requested_key`]).
     key_secret: std::hash::RandomState,
     /// MR modes honoured as if the provider required them
-    /// (`WEFT_TEST_MR_MODE`; see [`strict_modes`]).
+    /// ([`DomainOptions::strict`]).
     strict: u32,
+    /// [`DomainOptions::hmem_as_system`].
+    hmem_as_system: bool,
     /// `FI_MR_ENDPOINT`: the endpoint every registration is bound to (the
     /// one peers reach this domain's memory through), once it is open.
     mr_endpoint: Mutex<Option<usize>>,
@@ -106,6 +108,11 @@ unsafe impl Sync for Domain {}
 impl Domain {
     /// Opens the fabric and domain that an `fi_getinfo` entry describes.
     pub fn open(info: InfoRef<'_>) -> Result<Arc<Self>, FiError> {
+        Self::open_with(info, DomainOptions::default())
+    }
+
+    /// [`Domain::open`], behaving as `options` say (the test switches).
+    pub fn open_with(info: InfoRef<'_>, options: DomainOptions) -> Result<Arc<Self>, FiError> {
         let info = info.to_owned()?;
         let fabric = Fabric::open(info.as_ref())?;
         let mut ptr = ptr::null_mut();
@@ -118,7 +125,8 @@ impl Domain {
             info,
             next_key: AtomicU64::new(1),
             key_secret: std::hash::RandomState::new(),
-            strict: strict_modes(),
+            strict: options.strict,
+            hmem_as_system: options.hmem_as_system,
             mr_endpoint: Mutex::new(None),
             enabled: Mutex::new(HashSet::new()),
             name_len: AtomicUsize::new(0),
@@ -199,6 +207,12 @@ impl Domain {
         self.strict & bit != 0
     }
 
+    /// Whether device memory registers as host memory here
+    /// ([`DomainOptions::hmem_as_system`]).
+    pub(crate) fn hmem_as_system(&self) -> bool {
+        self.hmem_as_system
+    }
+
     /// The key to request for a new registration: 0 where the provider picks
     /// keys (`FI_MR_PROV_KEY`), else a key unique within this domain that a
     /// third party cannot guess from the keys it was given: a keyed
@@ -267,36 +281,28 @@ impl Drop for Domain {
     }
 }
 
-/// Test switch `WEFT_TEST_MR_MODE`: a comma-separated list of `local`,
-/// `prov_key`, `allocated` and `endpoint`, MR modes neither provider here
-/// requires, which Weft then honours and checks as if it did:
-/// - `local` (`FI_MR_LOCAL`): every buffer posted to an endpoint carries its
-///   registration's descriptor, else the post fails;
-/// - `prov_key` (`FI_MR_PROV_KEY`): keys are arbitrary 64-bit values, and
-///   peers get only what `fi_mr_key` reports;
-/// - `allocated` (`FI_MR_ALLOCATED`): a registration of memory that is not
-///   mapped fails before the provider sees it;
-/// - `endpoint` (`FI_MR_ENDPOINT`): every registration is bound to the
-///   device's passive endpoint and enabled before use (`fi_mr_bind`, which
-///   the providers here answer `-FI_ENOSYS`, is called and that answer
-///   taken as success), and a buffer posted with the descriptor of a
-///   registration not enabled is refused.
-pub fn strict_modes() -> u32 {
-    let Ok(v) = std::env::var("WEFT_TEST_MR_MODE") else {
-        return 0;
-    };
-    v.split(',')
-        .map(|w| match w.trim() {
-            "local" => fi::FI_MR_LOCAL,
-            "prov_key" => fi::FI_MR_PROV_KEY,
-            "allocated" => fi::FI_MR_ALLOCATED,
-            "endpoint" => fi::FI_MR_ENDPOINT,
-            other => {
-                tracing::warn!("WEFT_TEST_MR_MODE: ignored unknown mode {other:?}");
-                0
-            }
-        })
-        .fold(0, |a, b| a | b)
+/// How a domain behaves beyond what its provider asks: the test switches
+/// (`WEFT_TEST_MR_MODE`, `WEFT_TEST_HMEM`, read with the configuration),
+/// all off by default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DomainOptions {
+    /// MR modes (`FI_MR_*` bits) neither provider here requires, which Weft
+    /// then honours and checks as if it did:
+    /// - `FI_MR_LOCAL`: every buffer posted to an endpoint carries its
+    ///   registration's descriptor, else the post fails;
+    /// - `FI_MR_PROV_KEY`: keys are arbitrary 64-bit values, and peers get
+    ///   only what `fi_mr_key` reports;
+    /// - `FI_MR_ALLOCATED`: a registration of memory that is not mapped
+    ///   fails before the provider sees it;
+    /// - `FI_MR_ENDPOINT`: every registration is bound to the device's
+    ///   passive endpoint and enabled before use (`fi_mr_bind`, which the
+    ///   providers here answer `-FI_ENOSYS`, is called and that answer taken
+    ///   as success), and a buffer posted with the descriptor of a
+    ///   registration not enabled is refused.
+    pub strict: u32,
+    /// Device memory is registered as host memory (see
+    /// [`super::Mr::register_kind`]).
+    pub hmem_as_system: bool,
 }
 
 #[cfg(test)]

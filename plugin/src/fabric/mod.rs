@@ -19,11 +19,11 @@ mod mr;
 
 pub use av::{Av, FiAddr};
 pub use cq::{is_remote_write, Completion, CompletionError, Cq, CqError};
-pub use domain::{Domain, Fabric};
+pub use domain::{Domain, DomainOptions, Fabric};
 pub use ep::Endpoint;
 pub use error::{strerror, FiError};
 pub use info::{Hints, InfoList, InfoRef, OwnedInfo};
-pub use mr::{test_hmem_as_system, Mr, ACCESS_ALL};
+pub use mr::{Mr, ACCESS_ALL};
 
 /// Provider settings Weft chooses where the operator set none: (variable,
 /// value, why). libfabric reads them once per process, at its first

@@ -203,7 +203,7 @@ fn device_attr(domain: &Domain, access: u64, dev: i32) -> fi::fi_mr_attr {
         requested_key: domain.requested_key(),
         ..Default::default()
     };
-    if test_hmem_as_system() {
+    if domain.hmem_as_system() {
         attr.iface = fi::fi_hmem_iface_FI_HMEM_SYSTEM;
     } else {
         attr.iface = fi::fi_hmem_iface_FI_HMEM_CUDA;
@@ -244,12 +244,4 @@ impl Drop for Mr {
         // SAFETY: `ptr` is live and closed once.
         close_fid(unsafe { &raw mut (*self.ptr).fid }, "mr");
     }
-}
-
-/// `WEFT_TEST_HMEM=system` (see [`Mr::register_kind`]), read once: device
-/// memory is registered as host memory, and discovery takes the provider's
-/// domains as they are instead of asking for `FI_HMEM`.
-pub fn test_hmem_as_system() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("WEFT_TEST_HMEM").is_ok_and(|v| v == "system"))
 }

@@ -309,7 +309,10 @@ impl Hub {
             peer_timeout: dev.peer_timeout,
             boxes: RwLock::new(HashMap::new()),
             ids: Mutex::new((std::hash::RandomState::new(), 0)),
-            wide: dev.dev.rma.cq_data_size >= 8 && !narrow_for_test(),
+            // The test switch WEFT_TEST_NARROW_IMM: behave as if writes
+            // carried only 4 bytes of immediate (EFA, verbs), so every size
+            // travels in a `Wrote`.
+            wide: dev.dev.rma.cq_data_size >= 8 && !dev.dev.test.narrow_imm,
             eager_max,
             sources: dev.domain.info().caps() & fi::FI_SOURCE != 0,
         })
@@ -537,12 +540,6 @@ fn on_done(
     let ctx = c.op_context as usize as u64;
     deliver((ctx >> 32) as u32, Ev::Done(ctx as u32, c.len));
     Ok(())
-}
-
-/// Test switch `WEFT_TEST_NARROW_IMM=1`: behave as if writes carried only 4
-/// bytes of immediate (EFA, verbs), so every size travels in a `Wrote`.
-fn narrow_for_test() -> bool {
-    std::env::var("WEFT_TEST_NARROW_IMM").is_ok_and(|v| v == "1")
 }
 
 /// Every hub open in the process, for the keeper ([`tend_all`]).

@@ -12,6 +12,7 @@
 //! the handshake and liveness and differ in their data path ([`comms`]).
 
 use std::ffi::c_void;
+#[cfg(feature = "testing")]
 use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -32,7 +33,7 @@ pub mod stripe;
 pub(crate) mod sync;
 pub mod wire;
 
-pub use ctrl::{frame, frame_head, unframe, CTRL_HEAD};
+pub use ctrl::{frame_head, CTRL_HEAD};
 pub use handshake::MAX_PENDING;
 use wire::ListenHandle;
 
@@ -253,15 +254,15 @@ pub trait Comm: Send + Sync + std::fmt::Debug {
     fn alive(&self) -> Result<()>;
     /// Test hook: holds the comm's state as a keeper stuck in the provider
     /// would, until `release` fires; `held` is signalled once held.
-    #[doc(hidden)]
+    #[cfg(feature = "testing")]
     fn hold(&self, held: &Tx<()>, release: &Rx<()>);
     /// Test hook: whether the provider may still own buffers posted on the
     /// comm (its endpoint is open).
-    #[doc(hidden)]
+    #[cfg(feature = "testing")]
     fn endpoint_open(&self) -> bool;
     /// Test hook: the comm's id and token on its hub, where it has one (a
     /// hostile-input test plays a third party that learned them).
-    #[doc(hidden)]
+    #[cfg(feature = "testing")]
     fn wire_id(&self) -> Option<(u32, u32)> {
         None
     }

@@ -44,6 +44,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
+#[cfg(feature = "testing")]
 use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -377,9 +378,11 @@ macro_rules! comm_over_rails {
             fn alive(&self) -> Result<()> {
                 rails_alive(&self.rails)
             }
+            #[cfg(feature = "testing")]
             fn hold(&self, held: &Tx<()>, release: &Rx<()>) {
                 self.rails[0].hold(held, release);
             }
+            #[cfg(feature = "testing")]
             fn endpoint_open(&self) -> bool {
                 self.rails.iter().any(|r| r.endpoint_open())
             }
@@ -1106,7 +1109,9 @@ mod tests {
             // first by a test (the race CI met).
             Ok(())
         }
+        #[cfg(feature = "testing")]
         fn hold(&self, _: &Tx<()>, _: &Rx<()>) {}
+        #[cfg(feature = "testing")]
         fn endpoint_open(&self) -> bool {
             true
         }

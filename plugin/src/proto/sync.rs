@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicBool, Ordering};
+#[cfg(feature = "testing")]
 use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
 use std::sync::{Mutex, MutexGuard, TryLockError, Weak};
 
@@ -86,6 +87,7 @@ pub(crate) fn keeper_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
 /// Holds a comm's state lock until `release` fires (or its sender goes),
 /// signalling `held` once it is held: what a keeper stuck inside the
 /// provider does. For tests of the data path's independence.
+#[cfg(feature = "testing")]
 pub(crate) fn hold<S>(m: &Mutex<S>, held: &Tx<()>, release: &Rx<()>) {
     let _st = lock(m);
     let _ = held.send(());

@@ -174,7 +174,7 @@ fn recv(comm: *mut c_void, count: u64, size: usize, tag: i32) -> Result<u64, Str
 fn half_connect(provider: &str, handle: &[u8; 128]) -> Result<Box<dyn std::any::Any>, String> {
     use weft::fabric::{Endpoint, Mr, ACCESS_ALL};
     use weft::proto::wire::{Ctrl, ListenHandle, CTRL_MAX};
-    use weft::proto::{frame, unframe, CTRL_HEAD};
+    use weft::testing::{frame, unframe, CTRL_HEAD};
     let e = |e: weft::fabric::FiError| e.to_string();
     let domain = weft_tests::loopback_domain(provider)?;
     let ep = Endpoint::open_own(&domain).map_err(e)?;

@@ -595,7 +595,7 @@ fn hold_from_another_thread(comm: *mut c_void) -> (mpsc::Sender<()>, std::thread
     let (release, release_rx) = mpsc::channel::<()>();
     let c = comm as usize;
     let holder = std::thread::spawn(move || {
-        core::hold_comm_for_test(c as *mut c_void, &held_tx, &release_rx).unwrap();
+        weft::testing::hold_comm(c as *mut c_void, &held_tx, &release_rx).unwrap();
     });
     held.recv().unwrap();
     (release, holder)

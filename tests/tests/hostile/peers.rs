@@ -146,10 +146,10 @@ fn a_third_party_cannot_speak_for_a_comm(provider: &str) {
     let ctx = init_logged(provider);
     let (s, r) = pair(ctx);
     let (f, linked, r2) = forger_pair(ctx, provider);
-    let (victim, _) = core::wire_id_for_test(r)
+    let (victim, _) = weft::testing::wire_id(r)
         .unwrap()
         .expect("a comm on the hub");
-    let (_, sender_token) = core::wire_id_for_test(s)
+    let (_, sender_token) = weft::testing::wire_id(s)
         .unwrap()
         .expect("a comm on the hub");
     let rdma = std::env::var("WEFT_PROTOCOL").as_deref() == Ok("rdma");
@@ -806,7 +806,7 @@ fn an_oversized_control_message_wedges_only_its_sender(provider: &str) {
             assert!(core::test(q).unwrap().is_none());
         })
     });
-    let mut big = weft::proto::frame(linked.id, 0x5eed_f00d, &Ctrl::Alive);
+    let mut big = weft::testing::frame(linked.id, 0x5eed_f00d, &Ctrl::Alive);
     big.resize(400, 0);
     let sent = std::time::Instant::now();
     f.send_bytes(linked.to, &big, || {

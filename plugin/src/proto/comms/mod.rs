@@ -106,6 +106,7 @@
 //! the peer is gone).
 
 use std::collections::VecDeque;
+#[cfg(feature = "testing")]
 use std::sync::mpsc::{Receiver as Rx, Sender as Tx};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -113,7 +114,9 @@ use std::time::Instant;
 use super::ctrl::{send_ctrl_to, silent_peer, warn_dead, Link};
 use super::hub::{Ev, Hub, Inbox, Port};
 use super::pool::Pool;
-use super::sync::{hold, keeper_lock, lock, try_lock};
+#[cfg(feature = "testing")]
+use super::sync::hold;
+use super::sync::{keeper_lock, lock, try_lock};
 use super::wire::{Ctrl, ListenHandle, PROTO_RDMA, PROTO_SENDRECV};
 use super::{heartbeat_period, DeviceState, Listener, Protocol, ReqId, Sender};
 use crate::error::{Error, Kind, Result};

@@ -314,14 +314,17 @@ impl Comm for RecvComm {
             _ => Ok(()),
         }
     }
+    #[cfg(feature = "testing")]
     fn hold(&self, held: &Tx<()>, release: &Rx<()>) {
         hold(&self.inner, held, release);
     }
+    #[cfg(feature = "testing")]
     fn wire_id(&self) -> Option<(u32, u32)> {
         Some((self.seat.id, self.seat.token))
     }
     /// Whether the provider still holds a posted buffer (tagged receives
     /// only: RDMA buffers are offered to the peer, never posted).
+    #[cfg(feature = "testing")]
     fn endpoint_open(&self) -> bool {
         lock(&self.inner).holds_posted()
     }

@@ -504,14 +504,17 @@ impl Comm for SendComm {
             _ => Ok(()),
         }
     }
+    #[cfg(feature = "testing")]
     fn hold(&self, held: &Tx<()>, release: &Rx<()>) {
         hold(&self.inner, held, release);
     }
+    #[cfg(feature = "testing")]
     fn wire_id(&self) -> Option<(u32, u32)> {
         Some((self.seat.id, self.seat.token))
     }
     /// Never: nothing of NCCL's is posted to be written, and a closing send
     /// comm waits for its writes (see the module's "Liveness").
+    #[cfg(feature = "testing")]
     fn endpoint_open(&self) -> bool {
         false
     }
