@@ -21,9 +21,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use super::hub::{context, data_tag};
 use super::pool::SLOT_ALIGN;
 use super::wire::Ctrl;
+use super::wire::{context, data_tag};
 use crate::fabric::{Endpoint, FiAddr};
 use crate::freelist::{Elem, Freelist, HostPages, Params};
 use crate::mr::DomainRegistrar;

@@ -43,7 +43,7 @@
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
-use std::ffi::c_void;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
@@ -53,7 +53,7 @@ use libfabric_sys as fi;
 use super::cq::{drain, Event};
 use super::ctrl::{unframe, CtrlBufs, Posts, CTRL_HEAD};
 use super::grave::{is_grave, Closed, Graves, Returned};
-use super::wire::{CTRL_MAX, EAGER_HEAD};
+use super::wire::{CTRL_MAX, EAGER_HEAD, MAX_ID};
 use super::DeviceState;
 use crate::error::{Error, Result};
 use crate::fabric::{Completion, CompletionError, Endpoint, FiAddr};
@@ -77,8 +77,6 @@ const CQ_SIZE: usize = 16384;
 /// keeps a large unexpected message at its sender, not here.
 const SINK_POSTED: usize = 8;
 const SINK_SIZE: usize = 16 << 10;
-/// Comm ids are below this (24 bits: they ride in a 32-bit immediate).
-pub const MAX_ID: u32 = 1 << 24;
 
 /// Which endpoint of the hub.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,39 +176,6 @@ impl Inbox {
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
-
-/// The context of an operation posted by comm `id`: its id and 32 bits of
-/// its own.
-pub fn context(id: u32, local: u32) -> *mut c_void {
-    ((u64::from(id) << 32) | u64::from(local)) as usize as *mut c_void
-}
-
-/// The tag of a data message to comm `id` at the peer with NCCL's `tag`.
-pub fn data_tag(id: u32, tag: i32) -> u64 {
-    (u64::from(id & (MAX_ID - 1)) << 32) | u64::from(tag as u32)
-}
-
-/// The immediate of a write to comm `id` at the peer, with 8 bits of its
-/// own: 32 bits. Where the hub has wide immediates, the upper 32 bits are
-/// the size (or [`NO_SIZE`]: it comes in a control message) XOR the
-/// offer's `ticket` ([`super::wire::RtrBuf::ticket`]).
-pub fn immediate(id: u32, local: u8, size: Option<u64>, ticket: u32) -> u64 {
-    let size = size
-        .filter(|&s| s < u64::from(NO_SIZE))
-        .map_or(NO_SIZE, |s| s as u32);
-    (u64::from(size ^ ticket) << 32) | u64::from((id << 8) | u32::from(local))
-}
-
-/// What the upper 32 bits of a wide immediate say, given the offer's
-/// `ticket`: `Some(size)`, or `None` when the size comes in a control
-/// message.
-pub fn immediate_size(hi: u32, ticket: u32) -> Option<u64> {
-    let v = hi ^ ticket;
-    (v != NO_SIZE).then_some(u64::from(v))
-}
-
-/// Upper immediate bits meaning "the size comes in a control message".
-pub const NO_SIZE: u32 = u32::MAX;
 
 struct PortState {
     // Field order is drop order: the endpoint closes before its buffers go.

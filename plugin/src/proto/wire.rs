@@ -26,6 +26,12 @@
 //! Control messages carry [`CTRL_MAGIC`], a kind and a body; every field is
 //! checked on receipt, so a truncated or forged message is refused with a
 //! message and changes nothing.
+//!
+//! And the bits Weft packs into what libfabric carries for it: an
+//! operation's context ([`context`]: the comm id, 32 bits of the comm's
+//! own), a tagged data message's tag ([`data_tag`]: the receive comm's id
+//! and NCCL's tag) and a write's immediate ([`immediate`]: the comm id, a
+//! slot and buffer, and the size XOR the offer's ticket).
 
 #![forbid(unsafe_code)]
 
@@ -727,6 +733,44 @@ impl Ctrl {
         }
     }
 }
+
+// ---- The bits Weft packs into what libfabric carries for it ----
+
+/// Comm ids are below this (24 bits: they ride in a 32-bit immediate).
+pub const MAX_ID: u32 = 1 << 24;
+
+/// The context of an operation posted by comm `id`: its id and 32 bits of
+/// its own.
+pub fn context(id: u32, local: u32) -> *mut std::ffi::c_void {
+    ((u64::from(id) << 32) | u64::from(local)) as usize as *mut std::ffi::c_void
+}
+
+/// The tag of a data message to comm `id` at the peer with NCCL's `tag`.
+pub fn data_tag(id: u32, tag: i32) -> u64 {
+    (u64::from(id & (MAX_ID - 1)) << 32) | u64::from(tag as u32)
+}
+
+/// The immediate of a write to comm `id` at the peer, with 8 bits of its
+/// own: 32 bits. Where the hub has wide immediates, the upper 32 bits are
+/// the size (or [`NO_SIZE`]: it comes in a control message) XOR the
+/// offer's `ticket` ([`RtrBuf::ticket`]).
+pub fn immediate(id: u32, local: u8, size: Option<u64>, ticket: u32) -> u64 {
+    let size = size
+        .filter(|&s| s < u64::from(NO_SIZE))
+        .map_or(NO_SIZE, |s| s as u32);
+    (u64::from(size ^ ticket) << 32) | u64::from((id << 8) | u32::from(local))
+}
+
+/// What the upper 32 bits of a wide immediate say, given the offer's
+/// `ticket`: `Some(size)`, or `None` when the size comes in a control
+/// message.
+pub fn immediate_size(hi: u32, ticket: u32) -> Option<u64> {
+    let v = hi ^ ticket;
+    (v != NO_SIZE).then_some(u64::from(v))
+}
+
+/// Upper immediate bits meaning "the size comes in a control message".
+pub const NO_SIZE: u32 = u32::MAX;
 
 #[cfg(test)]
 mod tests {

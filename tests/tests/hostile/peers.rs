@@ -6,7 +6,7 @@
 use std::ffi::c_void;
 
 use weft::core;
-use weft::proto::hub::{data_tag, immediate};
+use weft::proto::wire::{data_tag, immediate};
 use weft::proto::wire::{Ctrl, ListenHandle};
 use weft_tests::forge::{Forger, Linked};
 use weft_tests::host::*;

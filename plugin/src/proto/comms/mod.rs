@@ -87,7 +87,7 @@
 //! token after the destination id ([`super::ctrl`]); a comm takes one only
 //! with its peer's token, from its peer's address where the provider reports
 //! sources. A write's immediate is checked against its offer's ticket
-//! ([`super::hub::immediate`]).
+//! ([`super::wire::immediate`]).
 //!
 //! A failed request leaves nothing of NCCL's with the provider that it could
 //! write: receive buffers on the RDMA path are offered to the peer, never

@@ -12,9 +12,9 @@ use libfabric_sys as fi;
 use crate::fabric::CompletionError;
 
 use super::super::grave::{Closed, GRAVE_TAGS};
-use super::super::hub::{context, data_tag};
 use super::super::pool::Pool;
 use super::super::wire::RtrBuf;
+use super::super::wire::{context, data_tag};
 use super::super::{Comm, Done, Hold, Mem, Receiver, RecvBuf, ReqId, MAX_RECVS, MAX_REQUESTS};
 use super::*;
 
@@ -770,7 +770,7 @@ impl RecvState {
             return;
         };
         let s = usize::from(sub);
-        let size = hi.map(|hi| super::super::hub::immediate_size(hi, r.tickets[s]));
+        let size = hi.map(|hi| super::super::wire::immediate_size(hi, r.tickets[s]));
         if let Some(Some(size)) = size {
             if size > r.caps[s] {
                 self.peer

@@ -10,9 +10,9 @@ use libfabric_sys as fi;
 
 use super::super::ctrl::{frame_head, Peer, CTRL_HEAD};
 use super::super::handshake::{self, nonce, Connecting, Phase};
-use super::super::hub::{context, data_tag, immediate, NO_SIZE};
 use super::super::pool::Pool;
 use super::super::wire::RtrBuf;
+use super::super::wire::{context, data_tag, immediate, NO_SIZE};
 use super::super::{Comm, Done, Mem, ReqId, MAX_RECVS, MAX_REQUESTS};
 use super::*;
 use crate::fabric::FiAddr;
@@ -790,7 +790,7 @@ impl SendState {
                 credits,
                 eager,
             }) if self.connect.takes_ack(conn) && token != 0 => {
-                if id == 0 || id >= super::super::hub::MAX_ID {
+                if id == 0 || id >= super::super::wire::MAX_ID {
                     tracing::warn!("send comm: ignored an Ack naming comm id {id}");
                     return Ok(());
                 }
