@@ -106,7 +106,8 @@ fn run() -> Result<String, String> {
     let t0 = Instant::now();
     let mut bytes = 0u64;
     for m in 0..messages {
-        let mut reqs = Vec::new();
+        // Each request with what it is, for the error if one never ends.
+        let mut reqs: Vec<(*mut c_void, String)> = Vec::new();
         let mut mhs = Vec::new();
         for (i, &r) in recvs.iter().enumerate() {
             let (from, k) = want[i];
@@ -119,16 +120,38 @@ fn run() -> Result<String, String> {
                 phandle: std::ptr::null_mut(),
             };
             let q = weft_tests::poll_until("irecv", || host::irecv_raw(r, &[arg]).expect("irecv"));
-            reqs.push(q);
+            reqs.push((q, format!("the receive from rank {from} comm {k}")));
             mhs.push((r, mh));
         }
         for (i, &s) in sends.iter().enumerate() {
             let mh = host::reg(s, &out[i][m]);
-            reqs.push(host::isend(s, &out[i][m], tag(rank, want[i].1), mh));
+            let q = host::isend(s, &out[i][m], tag(rank, want[i].1), mh);
+            reqs.push((
+                q,
+                format!("the send to rank {} comm {}", want[i].0, want[i].1),
+            ));
             mhs.push((s, mh));
         }
-        for q in reqs {
-            host::wait(q);
+        // Wait for each in turn, testing only it (the pattern that found a
+        // rare hang: see docs/many-hosts.md); say which never ended.
+        let limit = Instant::now() + weft_tests::timeout();
+        for (at, (q, what)) in reqs.iter().enumerate() {
+            while core::test(*q).map_err(e)?.is_none() {
+                if Instant::now() > limit {
+                    let later: Vec<&str> = reqs[at + 1..]
+                        .iter()
+                        .filter(|(q, _)| core::test(*q).ok().flatten().is_none())
+                        .map(|(_, w)| w.as_str())
+                        .collect();
+                    return Err(format!(
+                        "message {m}: {what} not done after {:?} (WEFT_TEST_TIMEOUT) with every peer alive; \
+                         also not done: [{}]",
+                        weft_tests::timeout(),
+                        later.join(", ")
+                    ));
+                }
+                std::thread::yield_now();
+            }
         }
         for (c, mh) in mhs {
             core::dereg_mr(c, mh).map_err(e)?;

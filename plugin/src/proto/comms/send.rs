@@ -461,14 +461,20 @@ impl Comm for SendComm {
         };
         // A send is done once its write completed and its Wrote went out:
         // NCCL may never call into this comm again, and the receiver waits
-        // for both.
+        // for both. Only what a receive needs counts: an `Alive` the
+        // provider refuses (its peer closed and exited) must not hold a
+        // completed send for ever (seen: sends to ranks that had received
+        // everything and exited were never reported done), and once the
+        // receiver said `Bye` it waits for nothing.
         let Some(r) = take_done(
             &mut *st,
             &self.seat,
             id,
             "send",
             |st| &mut st.reqs,
-            |st, r| r.done && (st.peer.owed.is_empty() || st.peer.link.dead.is_some()),
+            |st, r| {
+                r.done && (!st.peer.owes_data() || st.peer.bye_heard || st.peer.link.dead.is_some())
+            },
         )?
         else {
             return Ok(None);
