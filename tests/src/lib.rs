@@ -58,6 +58,27 @@ pub fn timeout() -> Duration {
     }
 }
 
+/// The address of `len` bytes that are not mapped (a fresh anonymous
+/// mapping, unmapped at once): memory a registration must refuse under
+/// `FI_MR_ALLOCATED`. Nothing may read or write it.
+pub fn unmapped_range(len: usize) -> *mut u8 {
+    // SAFETY: maps fresh anonymous memory and unmaps it at once; only the
+    // address is returned, and no one dereferences it.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        assert_ne!(p, libc::MAP_FAILED, "mmap of {len} bytes");
+        libc::munmap(p, len);
+        p.cast()
+    }
+}
+
 /// A `kB` field of /proc/self/status (`VmRSS`, `VmHWM`, ...); 0 if absent.
 pub fn status_kb(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")

@@ -728,21 +728,7 @@ fn strict_mr_switch_reaches_the_domain(provider: &str) {
     std::env::set_var("WEFT_TEST_MR_MODE", "allocated");
     let ctx = init(provider);
     let (s, r) = pair(ctx);
-    // SAFETY: a fresh anonymous mapping, unmapped at once: its range is
-    // then not allocated memory, and nothing reads it.
-    let gone = unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            8192,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        );
-        assert_ne!(p, libc::MAP_FAILED);
-        libc::munmap(p, 8192);
-        p
-    };
+    let gone = weft_tests::unmapped_range(8192).cast();
     let e = core::reg_mr(r, gone, 8192, 1).expect_err("unmapped memory under the switch");
     assert!(e.msg.contains("FI_MR_ALLOCATED"), "{provider}: {e}");
     close_pair(s, r);

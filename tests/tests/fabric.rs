@@ -209,21 +209,7 @@ fn strict_mr_modes_refuse_what_such_a_provider_would() {
     assert!(m1.key() > u64::from(u32::MAX) || m2.key() > u64::from(u32::MAX));
     assert_ne!(m1.key(), m2.key(), "keys are unique in a domain");
     // FI_MR_ALLOCATED: memory that is not mapped is refused.
-    // SAFETY: a fresh anonymous mapping, unmapped at once: its range is
-    // then not allocated memory, and nothing reads it.
-    let gone = unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            8192,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        );
-        assert_ne!(p, libc::MAP_FAILED);
-        libc::munmap(p, 8192);
-        p.cast::<u8>()
-    };
+    let gone = weft_tests::unmapped_range(8192);
     // SAFETY: refused before libfabric sees the range.
     let e = unsafe { Mr::register(&domain, gone, 8192, ACCESS_ALL) }.expect_err("unmapped memory");
     assert!(e.to_string().contains("FI_MR_ALLOCATED"), "{e}");
