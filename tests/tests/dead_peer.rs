@@ -589,3 +589,54 @@ fn close_send_after_the_peer_closed_and_exited(provider: &str) {
 }
 
 weft_tests::each!(close_send_after_the_peer_closed_and_exited: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
+
+/// A send whose message its receiver got is reported done, even when the
+/// receiver then closed and exited before this side tested it: the keeper's
+/// next `Alive` to the gone peer is refused by the provider for good, and a
+/// send used to wait for every owed control message, so it was never done
+/// (seen: one all-to-all run in 30 hung on its last sends). tcp, where rxm
+/// refuses messages to a peer whose process is gone; both protocols.
+fn a_received_send_is_done_after_its_receiver_exited(provider: &str) {
+    const LEN: usize = 65536;
+    let protocol = std::env::var("WEFT_PROTOCOL").expect("set by each!");
+    // A heartbeat every 200 ms: the keeper says Alive often.
+    std::env::set_var("WEFT_PEER_TIMEOUT", "1.6");
+    let mut peer = Peer::spawn(PEER);
+    peer.cmd(&format!("init {provider}"));
+    let ctx = host::init(provider);
+    let (s, r) = peer.pair(ctx);
+    let (s2, r2) = host::pair(ctx);
+    let out = host::pattern(0, 5, LEN);
+    let smh = host::reg(s, &out);
+    peer.start(&format!("recv 1 {LEN} 5"));
+    let q = host::isend(s, &out, 5, smh);
+    // The peer got the message (the keeper progresses this side meanwhile;
+    // the send itself is not tested yet).
+    assert_eq!(peer.reply(), format!("ok {LEN}"));
+    let ports = peer.tcp_ports();
+    peer.quit();
+    until_closed_here(&ports, || host::send_verified(s2, r2, 1, 64));
+    // Heartbeat ticks with the send untested: each says Alive to the gone
+    // peer unless it already read its Bye.
+    let ticks = Instant::now();
+    weft_tests::poll_until("three heartbeat periods", || {
+        (ticks.elapsed() > Duration::from_millis(600)).then_some(())
+    });
+    let t = Instant::now();
+    let mut done = None;
+    while done.is_none() && t.elapsed() < Duration::from_secs(10) {
+        done = core::test(q).expect("the send ends well: its message was received");
+        std::thread::yield_now();
+    }
+    assert!(
+        done.is_some(),
+        "{provider} {protocol}: a send its receiver got was not reported done 10 s after the receiver exited"
+    );
+    core::dereg_mr(s, smh).unwrap();
+    core::close_send(s).unwrap();
+    core::close_recv(r).unwrap();
+    host::close_pair(s2, r2);
+    core::finalize(ctx).unwrap();
+}
+
+weft_tests::each!(a_received_send_is_done_after_its_receiver_exited: tcp_rdma, tcp_sendrecv);
