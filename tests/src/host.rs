@@ -48,6 +48,15 @@ fn init_with_logger(provider: &str, logger: Option<weft::log::NcclDebugLogger>) 
     .unwrap_or_else(|e| panic!("init over {provider}: {e}"))
 }
 
+/// The names of the running plugin's devices, in NCCL's numbering.
+pub fn device_names() -> Result<Vec<String>, String> {
+    let n = weft::core::devices().map_err(|e| e.to_string())? as i32;
+    (0..n)
+        .map(|d| weft::core::properties(d).map(|p| p.name.to_string_lossy().into_owned()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())
+}
+
 /// listen on device 0.
 pub fn listen(ctx: *mut c_void) -> ([u8; HANDLE_SIZE], *mut c_void) {
     listen_on(ctx, 0)

@@ -252,10 +252,7 @@ impl Peer {
                     ..Default::default()
                 })
                 .map_err(|e| e.to_string())?;
-                let names = (0..core::devices().map_err(|e| e.to_string())? as i32)
-                    .map(|d| core::properties(d).map(|p| p.name.to_string_lossy().into_owned()))
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(|e| e.to_string())?;
+                let names = host::device_names()?;
                 format!("ok devices {}", names.join(","))
             }
             // vdev DEV,DEV,...: fuses the devices (makeVDevice).

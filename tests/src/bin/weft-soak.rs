@@ -79,11 +79,7 @@ fn epoch_of(path: &Path) -> Option<u64> {
 /// The physical devices of rails 0 and 1 (`WEFT_IFACE=r` finds both, in
 /// libfabric's order), by their names.
 fn rails() -> Result<[i32; 2], String> {
-    let n = core::devices().map_err(|e| e.to_string())? as i32;
-    let names = (0..n)
-        .map(|d| core::properties(d).map(|p| p.name.to_string_lossy().into_owned()))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| e.to_string())?;
+    let names = host::device_names()?;
     let at = |r: &str| {
         names
             .iter()
