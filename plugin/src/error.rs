@@ -124,6 +124,11 @@ impl Error {
     pub fn truncated(msg: impl Into<String>) -> Self {
         Self::new(Code::Internal, Kind::Truncated, msg)
     }
+    /// The same error, caused by `e` (kept as its source).
+    fn caused_by(mut self, e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.source = Some(std::sync::Arc::new(e));
+        self
+    }
     /// The same error, of kind `kind`.
     pub fn of_kind(mut self, kind: Kind) -> Self {
         self.kind = kind;
@@ -145,34 +150,19 @@ impl PartialEq for Error {
 
 impl From<FiError> for Error {
     fn from(e: FiError) -> Self {
-        Self {
-            code: Code::System,
-            kind: Kind::Provider(e.code),
-            msg: e.to_string(),
-            source: Some(std::sync::Arc::new(e)),
-        }
+        Self::new(Code::System, Kind::Provider(e.code), e.to_string()).caused_by(e)
     }
 }
 
 impl From<ConfigError> for Error {
     fn from(e: ConfigError) -> Self {
-        Self {
-            code: Code::InvalidUsage,
-            kind: Kind::Config,
-            msg: e.to_string(),
-            source: Some(std::sync::Arc::new(e)),
-        }
+        Self::new(Code::InvalidUsage, Kind::Config, e.to_string()).caused_by(e)
     }
 }
 
 impl From<DiscoveryError> for Error {
     fn from(e: DiscoveryError) -> Self {
-        Self {
-            code: Code::System,
-            kind: Kind::Other,
-            msg: e.to_string(),
-            source: Some(std::sync::Arc::new(e)),
-        }
+        Self::system(e.to_string()).caused_by(e)
     }
 }
 

@@ -302,11 +302,10 @@ pub(crate) struct Link {
     pub(crate) last_heard: Instant,
     /// When this end last sent `Alive` (None: due now).
     pub(crate) last_said: Option<Instant>,
-    /// Why the peer was declared dead.
-    pub(crate) dead: Option<String>,
-    /// What its death was: [`Kind::PeerDead`], or [`Kind::PeerClosed`]
-    /// when it said `Bye` and nothing more can come.
-    pub(crate) dead_kind: Kind,
+    /// Once the peer was declared dead: what its death was
+    /// ([`Kind::PeerDead`], or [`Kind::PeerClosed`] when it said `Bye` and
+    /// nothing more can come), and why.
+    pub(crate) dead: Option<(Kind, String)>,
 }
 
 impl Link {
@@ -320,7 +319,6 @@ impl Link {
             last_heard: Instant::now(),
             last_said: None,
             dead: None,
-            dead_kind: Kind::PeerDead,
         }
     }
 
@@ -366,19 +364,20 @@ impl Link {
     /// An error if the peer was declared dead.
     pub(crate) fn check(&self) -> Result<()> {
         match &self.dead {
-            Some(why) => Err(Error::remote(why.clone()).of_kind(self.dead_kind)),
+            Some((kind, why)) => Err(Error::remote(why.clone()).of_kind(*kind)),
             None => Ok(()),
         }
     }
 
     /// The error a request reports once the peer was declared dead.
     pub(crate) fn dead_error(&self) -> Error {
-        Error::remote(format!(
-            "peer {} declared dead: {}",
-            self.name,
-            self.dead.as_deref().unwrap_or("no reason recorded")
-        ))
-        .of_kind(self.dead_kind)
+        let (kind, why) = self
+            .dead
+            .as_ref()
+            .map_or((Kind::PeerDead, "no reason recorded"), |(k, w)| {
+                (*k, w.as_str())
+            });
+        Error::remote(format!("peer {} declared dead: {why}", self.name)).of_kind(kind)
     }
 
     /// Whether `Alive` is due at `now`, one heartbeat `period` after the last.

@@ -434,8 +434,7 @@ fn die_as<S: Side>(st: &mut S, kind: Kind, why: String) {
     let failed = st.fail_all();
     let p = st.peer();
     warn_dead(S::WHAT, &p.link.name, &why, failed);
-    p.link.dead = Some(why);
-    p.link.dead_kind = kind;
+    p.link.dead = Some((kind, why));
 }
 
 /// One heartbeat tick (the keeper): `Alive` when due, progress, and death
@@ -557,5 +556,5 @@ fn truncation(
          {what}. NCCL never sends more than the receiver posted, so both ranks must run the same NCCL"
     );
     tracing::warn!("{msg}");
-    Error::internal(msg).of_kind(Kind::Truncated)
+    Error::truncated(msg)
 }

@@ -356,7 +356,7 @@ impl Drop for RecvComm {
             );
         }
         if st.peer.link.dead.is_none() {
-            st.peer.link.dead = Some("the comm was closed".to_owned());
+            st.peer.link.dead = Some((Kind::PeerDead, "the comm was closed".to_owned()));
         }
         close_wait(
             st,
