@@ -310,18 +310,6 @@ impl PeerLink {
         }
     }
 
-    /// Whether a message the receiver needs to finish a receive (a size, a
-    /// failure, a truncation, an eager message) is still owed; an owed
-    /// `Alive` or `Bye` finishes nothing.
-    fn owes_data(&self) -> bool {
-        self.owed.iter().any(|m| {
-            matches!(
-                m,
-                Ctrl::Wrote { .. } | Ctrl::Failed { .. } | Ctrl::Trunc { .. } | Ctrl::Eager { .. }
-            )
-        })
-    }
-
     /// Sends `msg` after whatever is owed; what the provider refuses for now
     /// is kept. A hard error means the connection is broken.
     fn send(&mut self, ep: &Endpoint, msg: Ctrl) -> Result<()> {

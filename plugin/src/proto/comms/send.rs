@@ -461,11 +461,11 @@ impl Comm for SendComm {
         };
         // A send is done once its write completed and its Wrote went out:
         // NCCL may never call into this comm again, and the receiver waits
-        // for both. Only what a receive needs counts: an `Alive` the
-        // provider refuses (its peer closed and exited) must not hold a
-        // completed send for ever (seen: sends to ranks that had received
-        // everything and exited were never reported done), and once the
-        // receiver said `Bye` it waits for nothing.
+        // for both; once the receiver said `Bye` it waits for nothing. (What
+        // is owed then, the answering `Bye` or an `Alive`, the provider may
+        // refuse for good once the receiver's process is gone: sends to
+        // ranks that had received everything and exited were never
+        // reported done.)
         let Some(r) = take_done(
             &mut *st,
             &self.seat,
@@ -473,7 +473,8 @@ impl Comm for SendComm {
             "send",
             |st| &mut st.reqs,
             |st, r| {
-                r.done && (!st.peer.owes_data() || st.peer.bye_heard || st.peer.link.dead.is_some())
+                r.done
+                    && (st.peer.owed.is_empty() || st.peer.bye_heard || st.peer.link.dead.is_some())
             },
         )?
         else {
