@@ -5,8 +5,13 @@
 //! version = 9;
 //! results { ncclSuccess = 0, ... }    // the codes this version's NCCL knows
 //! struct ncclNetProperties_v9_t { name: *mut c_char, ... }
-//! table ncclNet_v9_t { name: *const c_char, init: fn(logFunction: ncclDebugLogger_t) -> ncclResult_t, ... }
+//! table ncclNet_v9_t { name: *const c_char, init: fn(logFunction: ncclDebugLogger_t) -> ncclResult_t,
+//!                      optional makeVDevice: fn(...) -> ncclResult_t, ... }
 //! ```
+//!
+//! `optional` marks a member NCCL checks for NULL before calling it (codegen
+//! knows which); every other member is called unconditionally and a table
+//! must serve it.
 //!
 //! Types are Rust spellings of the C types: `c_int`, `c_char`, `c_void`,
 //! `c_uint`, `c_ulong`, `usize` (size_t), `u64`/`i64`/`u32`/`i32`/`u16`/`i16`,
@@ -66,6 +71,8 @@ pub enum Member {
     Fn {
         /// Member name.
         name: String,
+        /// NCCL checks it for NULL before calling it (a plugin may leave it NULL).
+        optional: bool,
         /// Arguments in order.
         args: Vec<Field>,
         /// Return type.
@@ -147,8 +154,14 @@ impl fmt::Display for Descriptor {
         for m in &self.table {
             match m {
                 Member::Data(x) => writeln!(f, "    {}: {},", x.name, x.ty)?,
-                Member::Fn { name, args, ret } => {
-                    write!(f, "    {name}: fn(")?;
+                Member::Fn {
+                    name,
+                    optional,
+                    args,
+                    ret,
+                } => {
+                    let opt = if *optional { "optional " } else { "" };
+                    write!(f, "    {opt}{name}: fn(")?;
                     fields(f, args, ", ")?;
                     writeln!(f, ") -> {ret},")?;
                 }
@@ -278,7 +291,11 @@ impl Parse for Parsed {
         let mut table = Vec::new();
         let mut member_spans = Vec::new();
         while !content.is_empty() {
-            let name: Ident = content.parse()?;
+            let mut name: Ident = content.parse()?;
+            let optional = name == "optional" && !content.peek(Token![:]);
+            if optional {
+                name = content.parse()?;
+            }
             content.parse::<Token![:]>()?;
             member_spans.push(name.span());
             if content.peek(Token![fn]) {
@@ -290,6 +307,7 @@ impl Parse for Parsed {
                 let ret = parse_ty(&content)?;
                 table.push(Member::Fn {
                     name: name.to_string(),
+                    optional,
                     args,
                     ret,
                 });
@@ -357,6 +375,7 @@ mod tests {
                 }),
                 Member::Fn {
                     name: "test".into(),
+                    optional: false,
                     args: vec![
                         Field {
                             name: "request".into(),

@@ -22,6 +22,41 @@ pub const OPAQUE: &[&str] = &[
     "ncclProfilerCallback_t",
 ];
 
+/// Members NCCL checks for NULL before calling (so a plugin may leave them
+/// NULL), with where NCCL's source checks each. Every other member, and every
+/// member a future NCCL adds until someone reads how NCCL calls it and lists
+/// it here, is mandatory: a table must serve it.
+pub const OPTIONAL: &[(&str, &str)] = &[
+    (
+        "getDeviceMr",
+        "transport/net.cc: `if (... ncclNet->getDeviceMr)`",
+    ),
+    (
+        "irecvConsumed",
+        "transport/net.cc: `if (ncclNet->irecvConsumed)`",
+    ),
+    (
+        "makeVDevice",
+        "graph/topo.cc: `net->makeVDevice == NULL` uses physical devices",
+    ),
+    (
+        "setNetAttr",
+        "transport/net.cc: `if (!ncclNet->setNetAttr) return`",
+    ),
+    (
+        "regMrDmaBuf",
+        "init.cc: `comm->ncclNet->regMrDmaBuf == NULL` disables DMA-BUF",
+    ),
+    (
+        "iallgather",
+        "graph/tuning.cc: `!comm->ncclCollNet->iallgather`",
+    ),
+    (
+        "ireducescatter",
+        "graph/tuning.cc: CollNet ReduceScatter needs `ireducescatter`",
+    ),
+];
+
 /// Plugin-facing result codes and the NCCL release that introduced each
 /// (reference §3.4: the plugin `err.h` defines 0-6; `ncclRemoteError` came
 /// with 2.13). Codes NCCL's core keeps to itself are not plugin results.
@@ -192,6 +227,7 @@ pub fn extract(rust: &str) -> Result<Vec<Descriptor>, String> {
                     }
                     Member::Fn {
                         name: fname.clone(),
+                        optional: OPTIONAL.iter().any(|(n, _)| n == fname),
                         args: a,
                         ret: ty_of(&ret, &aliases)?,
                     }
@@ -534,7 +570,9 @@ pub fn write_synthetic_headers(d: &Descriptor, dir: &Path) -> std::io::Result<()
     for m in &d.table {
         match m {
             Member::Data(f) => net.push_str(&format!("  {};\n", c_decl(&f.name, &f.ty))),
-            Member::Fn { name, args, ret } => {
+            Member::Fn {
+                name, args, ret, ..
+            } => {
                 let a: Vec<String> = args
                     .iter()
                     .map(|f| c_decl(f.name.trim_end_matches('_'), &f.ty))

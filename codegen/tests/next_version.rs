@@ -1,8 +1,9 @@
 //! "The next NCCL in one step": a synthetic `net_v99.h` (written at test time
-//! from Weft's own v12 descriptor plus one new optional member and one new
-//! props field, never from NCCL's text) goes through codegen and the proc
-//! macro against the real core; the only hand-written code is the mapping
-//! of the two additions.
+//! from Weft's own v12 descriptor plus one new member and one new props
+//! field, never from NCCL's text) goes through codegen and the proc macro
+//! against the real core; the only hand-written code is the new member's
+//! argument struct and function, served and called through the table, and
+//! a value for the new field.
 
 use std::path::PathBuf;
 
@@ -29,6 +30,7 @@ fn v99_needs_only_the_mapping_of_its_additions() {
         });
     v99.table.push(Member::Fn {
         name: "newHook".into(),
+        optional: false,
         args: vec![
             Field {
                 name: "comm".into(),
@@ -58,16 +60,38 @@ fn v99_needs_only_the_mapping_of_its_additions() {
         "codegen must read back exactly the synthetic v99"
     );
 
-    // The crate a maintainer would write: the generated descriptor plus one
-    // line that maps the two additions.
+    // The crate a maintainer would write: the generated descriptor, the core
+    // serving the new member (an argument struct and a function, here next
+    // to the real core's), and one line exporting the table, whose only
+    // mapping is a value for the new props field.
     let src = format!(
         "{descriptor}\n\
-         // The only hand-written code for v99:\n\
-         net_v99!(weft_macros::export {{ core = weft::adapter; null = [newHook]; props {{ newField = 0 }} }});\n\n\
+         // The hand-written code for v99: the new member, served.\n\
+         mod core {{\n\
+             pub use weft::adapter::*;\n\
+             pub mod net {{\n\
+                 pub use weft::adapter::net::*;\n\
+                 pub static FLAGS: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);\n\
+                 #[allow(non_camel_case_types, non_snake_case)]\n\
+                 pub mod args {{\n\
+                     pub use weft::adapter::net::args::*;\n\
+                     pub struct newHook {{ pub comm: *mut std::ffi::c_void, pub flags: std::ffi::c_int }}\n\
+                     impl Default for newHook {{ fn default() -> Self {{ Self {{ comm: std::ptr::null_mut(), flags: 0 }} }} }}\n\
+                 }}\n\
+                 #[allow(non_snake_case)]\n\
+                 pub unsafe fn newHook(a: args::newHook) -> weft::error::Result<()> {{\n\
+                     FLAGS.store(a.flags, std::sync::atomic::Ordering::Relaxed);\n\
+                     Ok(())\n\
+                 }}\n\
+             }}\n\
+         }}\n\
+         net_v99!(weft_macros::export {{ core = crate::core; null = [getDeviceMr, irecvConsumed]; props {{ newField = 0 }} }});\n\n\
          fn main() {{\n\
              let t = &net_v99::ncclNetPlugin_v99;\n\
              assert_eq!(std::mem::size_of::<net_v99::ncclNet_v99_t>(), 23 * std::mem::size_of::<usize>());\n\
-             assert!(t.newHook.is_none() && t.isend.is_some() && t.getProperties.is_some());\n\
+             assert!(t.isend.is_some() && t.getProperties.is_some() && t.getDeviceMr.is_none());\n\
+             assert_eq!(unsafe {{ (t.newHook.unwrap())(std::ptr::null_mut(), 42) }}, 0);\n\
+             assert_eq!(core::net::FLAGS.load(std::sync::atomic::Ordering::Relaxed), 42, \"the served newHook ran\");\n\
              assert_eq!(unsafe {{ std::ffi::CStr::from_ptr(t.name) }}.to_str().unwrap(), \"Weft\");\n\
          }}\n",
         descriptor = render_file(read, "synthetic net_v99.h")

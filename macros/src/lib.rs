@@ -1,8 +1,9 @@
 //! `export!`: one NCCL plugin table from one version descriptor.
 //!
 //! ```text
-//! weft_api::net_v9!(weft_macros::export);                     // default mapping
-//! weft_api::net_v99!(weft_macros::export { null = [newHook]; props { newField = 0 } });
+//! weft_api::net_v5!(weft_macros::export);                     // every member served
+//! weft_api::net_v9!(weft_macros::export { null = [getDeviceMr, irecvConsumed] });
+//! weft_api::net_v99!(weft_macros::export { props { newField = 0 } });
 //! ```
 //!
 //! From the descriptor it emits a module `net_vN` / `collnet_vN` with the
@@ -15,13 +16,13 @@
 //! the codes this version's NCCL knows). `getProperties` fills every field of
 //! the version's props struct from the core's properties.
 //!
-//! Completeness is checked here: a member or props field the core does not
-//! serve is a compile error naming it and the version, unless the mapping
-//! says `null` (only for members NCCL treats as optional) or gives a value.
-//! The default mapping leaves NULL what Weft does not offer: device offload
-//! (`getDeviceMr`, `irecvConsumed`), and for CollNet (host memory only, on
-//! physical devices) DMA-BUF and NIC fusion (`regMrDmaBuf`, `makeVDevice`;
-//! the net tables serve both).
+//! The macro knows no member by name but `getProperties` (whose struct it
+//! fills field by field): it emits a call for every member the mapping does
+//! not leave `null`, and rustc rejects a member the core does not serve
+//! ("cannot find function `x` in module `<core>::<family>`", pointing at the
+//! member in the descriptor). Only members the descriptor marks `optional`
+//! (NCCL checks them for NULL) may be mapped `null`; which ones Weft leaves
+//! NULL is said where the tables are exported (plugin/src/lib.rs).
 
 use proc_macro::TokenStream;
 use proc_macro2::{Span, TokenStream as Tokens};
@@ -29,77 +30,6 @@ use quote::{format_ident, quote, quote_spanned};
 use syn::parse::{Parse, ParseStream};
 use syn::{braced, bracketed, Ident, Path, Token};
 use weft_api::model::{Descriptor, Member, Parsed, Ty};
-
-/// Members the core serves, per family (the core's contract).
-const SERVED_NET: &[&str] = &[
-    "init",
-    "devices",
-    "getProperties",
-    "listen",
-    "connect",
-    "accept",
-    "regMr",
-    "deregMr",
-    "isend",
-    "irecv",
-    "iflush",
-    "test",
-    "closeSend",
-    "closeRecv",
-    "closeListen",
-    "finalize",
-    "setNetAttr",
-    "makeVDevice",
-    "regMrDmaBuf",
-];
-const SERVED_COLLNET: &[&str] = &[
-    "init",
-    "devices",
-    "getProperties",
-    "listen",
-    "connect",
-    "reduceSupport",
-    "regMr",
-    "deregMr",
-    "iallreduce",
-    "iallgather",
-    "ireducescatter",
-    "iflush",
-    "test",
-    "closeColl",
-    "closeListen",
-    "finalize",
-];
-/// Members NCCL calls unconditionally, which can never be NULL (reference
-/// §4.1: the optional ones are getDeviceMr, irecvConsumed, makeVDevice,
-/// setNetAttr, regMrDmaBuf, iallgather, ireducescatter; a member a future
-/// NCCL adds is optional unless listed here).
-const MANDATORY: &[&str] = &[
-    "init",
-    "devices",
-    "getProperties",
-    "listen",
-    "connect",
-    "accept",
-    "regMr",
-    "deregMr",
-    "isend",
-    "irecv",
-    "iflush",
-    "test",
-    "closeSend",
-    "closeRecv",
-    "closeListen",
-    "finalize",
-    "reduceSupport",
-    "iallreduce",
-    "closeColl",
-];
-/// What the default mapping leaves NULL: no device offload.
-const DEFAULT_NULL: &[&str] = &["getDeviceMr", "irecvConsumed"];
-/// And for CollNet, no NIC fusion (NCCL then runs CollNet on physical
-/// devices) and no DMA-BUF (its buffers are host memory).
-const DEFAULT_NULL_COLLNET: &[&str] = &["makeVDevice", "regMrDmaBuf"];
 
 /// The hand-written part of an invocation.
 struct Mapping {
@@ -273,14 +203,12 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
     let m = &input.mapping;
     let core = &m.core;
     let family = d.family.as_str();
-    let (served, symbol, label) = match family {
+    let (symbol, label) = match family {
         "net" => (
-            SERVED_NET,
             format_ident!("ncclNetPlugin_v{}", d.version),
             format!("ncclNet v{}", d.version),
         ),
         "collnet" => (
-            SERVED_COLLNET,
             format_ident!("ncclCollNetPlugin_v{}", d.version),
             format!("ncclCollNet v{}", d.version),
         ),
@@ -295,26 +223,27 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
     let module = format_ident!("{}_v{}", family, d.version);
     let table = format_ident!("{}", d.table_name);
 
-    // Mapped NULLs (added to the defaults) must be optional members of this table.
-    let mut null: Vec<String> = DEFAULT_NULL.iter().map(|s| (*s).to_owned()).collect();
-    if family == "collnet" {
-        null.extend(DEFAULT_NULL_COLLNET.iter().map(|s| (*s).to_owned()));
-    }
+    // Only members NCCL checks for NULL may be left NULL.
+    let mut null: Vec<String> = Vec::new();
     for id in &m.null {
         let n = id.to_string();
-        if MANDATORY.contains(&n.as_str()) {
-            return Err(syn::Error::new(
-                id.span(),
-                format!("{label}: member `{n}` cannot be NULL: NCCL calls it unconditionally"),
-            ));
+        match d.table.iter().find(|mm| mm.name() == n) {
+            None => {
+                return Err(syn::Error::new(
+                    id.span(),
+                    format!("{label} has no member `{n}`"),
+                ))
+            }
+            Some(Member::Fn {
+                optional: false, ..
+            }) => {
+                return Err(syn::Error::new(
+                    id.span(),
+                    format!("{label}: member `{n}` cannot be NULL: NCCL calls it unconditionally"),
+                ))
+            }
+            Some(_) => null.push(n),
         }
-        if !d.table.iter().any(|mm| mm.name() == n) {
-            return Err(syn::Error::new(
-                id.span(),
-                format!("{label} has no member `{n}`"),
-            ));
-        }
-        null.push(n);
     }
 
     // Result codes this version's NCCL knows.
@@ -379,7 +308,9 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
                 table_fields.push(quote!(pub #n: #t));
                 inits.push(quote!(#n: #core::NAME.as_ptr()));
             }
-            Member::Fn { name, args, ret } => {
+            Member::Fn {
+                name, args, ret, ..
+            } => {
                 let n = format_ident!("{}", name);
                 let arg_names: Vec<Ident> =
                     args.iter().map(|a| format_ident!("{}", a.name)).collect();
@@ -389,11 +320,6 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
                 if null.contains(name) {
                     inits.push(quote!(#n: None));
                     continue;
-                }
-                if !served.contains(&name.as_str()) {
-                    return Err(syn::Error::new(span, format!(
-                        "{label}: member `{name}` is not served by the core; serve it in the core, or map it (`null = [{name}]`, only if NCCL treats it as optional)"
-                    )));
                 }
                 let call = if name == "getProperties" {
                     let props_arg = args.iter().find(|a| a.name == "props").ok_or_else(|| {
@@ -447,28 +373,32 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
                     }
                     quote! {
                         #core::#fam::get_properties(dev, |p: &#core::Properties| {
-                            let out = #core::out_ref(props, "props")?;
+                            // SAFETY: `props` is NULL (refused) or NCCL's struct of this
+                            // version, which it owns during the call.
+                            let out = unsafe { #core::out_ref(props, "props") }?;
                             #(#sets)*
                             Ok(())
                         })
                     }
                 } else {
+                    // On the member's span, so that rustc's "cannot find
+                    // function" points at the member in the descriptor.
+                    let served = Ident::new(name, span);
                     let fields = arg_names
                         .iter()
                         .map(|a| quote_spanned!(span=> #a: #core::Conv::conv(#a)));
                     quote! {
-                        #core::#fam::#n(#core::#fam::args::#n { #(#fields,)* ..::core::default::Default::default() })
+                        // SAFETY: every core member function has one contract: the
+                        // arguments are as NCCL's C declaration of the member says
+                        // (pointers NULL or valid), which NCCL upholds by calling it.
+                        unsafe { #core::#fam::#served(#core::#fam::args::#served { #(#fields,)* ..::core::default::Default::default() }) }
                     }
                 };
                 let what = format!("{label} {name}");
                 adapters.push(quote_spanned! {span=>
                     #[allow(clippy::too_many_arguments, clippy::not_unsafe_ptr_arg_deref, clippy::needless_update)]
                     unsafe extern "C" fn #n(#(#arg_names: #arg_tys),*) -> #ret_t {
-                        #core::boundary(&RESULTS, #what, move || {
-                            // SAFETY: NCCL's arguments are validated by the core before use.
-                            #[allow(unused_unsafe)]
-                            unsafe { #call }
-                        })
+                        #core::boundary(&RESULTS, #what, move || { #call })
                     }
                 });
                 inits.push(quote!(#n: Some(#n)));
@@ -523,6 +453,7 @@ mod tests {
                  devices: fn(ndev: *mut c_int) -> ncclResult_t,
                  getProperties: fn(dev: c_int, props: *mut ncclNetProperties_v99_t) -> ncclResult_t,
                  newHook: fn(comm: *mut c_void, flags: c_int) -> ncclResult_t,
+                 optional newOptional: fn(comm: *mut c_void) -> ncclResult_t,
              }}"
         );
         let input: Input = syn::parse_str(&text)?;
@@ -530,25 +461,32 @@ mod tests {
     }
 
     #[test]
-    fn unserved_member_and_field_are_named_with_the_version() {
+    fn unserved_field_is_named_with_the_version() {
         let e = v99("").unwrap_err().to_string();
         assert!(
             e.contains("ncclNet v99: props field `ncclNetProperties_v99_t.newField` is not served"),
             "{e}"
         );
-        let e = v99("props { newField = 0 }").unwrap_err().to_string();
-        assert!(
-            e.contains("ncclNet v99: member `newHook` is not served by the core"),
-            "{e}"
-        );
-        assert!(v99("null = [newHook]; props { newField = 0 }").is_ok());
+        // A member is not checked here: the call is emitted, and rustc
+        // rejects it if the core lacks the function (tests/ui).
+        let t = v99("props { newField = 0 }").unwrap().to_string();
+        assert!(t.contains("mock :: net :: newHook"), "{t}");
+        let t = v99("null = [newOptional]; props { newField = 0 }")
+            .unwrap()
+            .to_string();
+        assert!(t.contains("newOptional : None"), "{t}");
+        assert!(!t.contains("unused_unsafe"), "{t}");
     }
 
     #[test]
     fn mandatory_members_cannot_be_null() {
         let e = v99("null = [devices];").unwrap_err().to_string();
         assert!(e.contains("`devices` cannot be NULL"), "{e}");
-        let e = v99("null = [newHook]; props { newField = 0, nosuch = 1 }")
+        let e = v99("null = [newHook];").unwrap_err().to_string();
+        assert!(e.contains("`newHook` cannot be NULL"), "{e}");
+        let e = v99("null = [nosuch];").unwrap_err().to_string();
+        assert!(e.contains("ncclNet v99 has no member `nosuch`"), "{e}");
+        let e = v99("props { newField = 0, nosuch = 1 }")
             .unwrap_err()
             .to_string();
         assert!(e.contains("has no field `nosuch`"), "{e}");

@@ -1,6 +1,9 @@
 //! Compile-time completeness, shown with a mock core: a complete mapping
-//! builds and works; an unserved member, an unserved props field and a NULL
-//! for a member NCCL always calls are compile errors naming it and the version.
+//! builds and works; a member the core does not serve (mandatory, or optional
+//! and not mapped `null`) is rustc's "cannot find function" on the member; an
+//! unserved props field and a NULL for a member NCCL always calls are the
+//! macro's errors naming it and the version; an argument whose C type changed
+//! is the conversion trait's message.
 
 #[test]
 fn ui() {

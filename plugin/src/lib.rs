@@ -43,20 +43,24 @@ pub mod proto;
 pub mod testing;
 
 // The exported tables: one line per API version and family, generated from
-// the descriptors in `weft-api` by `weft-macros`.
+// the descriptors in `weft-api` by `weft-macros`. Every member is served but
+// the optional ones named `null`: device offload (`getDeviceMr`,
+// `irecvConsumed`: no device-side networking), and for CollNet, which runs on
+// host memory and physical devices, DMA-BUF and NIC fusion (`regMrDmaBuf`,
+// `makeVDevice`; the net tables serve both).
 weft_api::net_v5!(weft_macros::export);
 weft_api::net_v6!(weft_macros::export);
-weft_api::net_v7!(weft_macros::export);
-weft_api::net_v8!(weft_macros::export);
-weft_api::net_v9!(weft_macros::export);
-weft_api::net_v10!(weft_macros::export);
-weft_api::net_v11!(weft_macros::export);
-weft_api::net_v12!(weft_macros::export);
+weft_api::net_v7!(weft_macros::export { null = [getDeviceMr, irecvConsumed] });
+weft_api::net_v8!(weft_macros::export { null = [getDeviceMr, irecvConsumed] });
+weft_api::net_v9!(weft_macros::export { null = [getDeviceMr, irecvConsumed] });
+weft_api::net_v10!(weft_macros::export { null = [getDeviceMr, irecvConsumed] });
+weft_api::net_v11!(weft_macros::export { null = [getDeviceMr, irecvConsumed] });
+weft_api::net_v12!(weft_macros::export { null = [getDeviceMr, irecvConsumed] });
 weft_api::collnet_v5!(weft_macros::export);
-weft_api::collnet_v6!(weft_macros::export);
-weft_api::collnet_v7!(weft_macros::export);
-weft_api::collnet_v8!(weft_macros::export);
-weft_api::collnet_v9!(weft_macros::export);
-weft_api::collnet_v10!(weft_macros::export);
-weft_api::collnet_v11!(weft_macros::export);
-weft_api::collnet_v12!(weft_macros::export);
+weft_api::collnet_v6!(weft_macros::export { null = [regMrDmaBuf] });
+weft_api::collnet_v7!(weft_macros::export { null = [regMrDmaBuf] });
+weft_api::collnet_v8!(weft_macros::export { null = [regMrDmaBuf] });
+weft_api::collnet_v9!(weft_macros::export { null = [regMrDmaBuf, makeVDevice] });
+weft_api::collnet_v10!(weft_macros::export { null = [regMrDmaBuf, makeVDevice] });
+weft_api::collnet_v11!(weft_macros::export { null = [regMrDmaBuf, makeVDevice] });
+weft_api::collnet_v12!(weft_macros::export { null = [regMrDmaBuf, makeVDevice] });

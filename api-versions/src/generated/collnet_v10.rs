@@ -46,16 +46,16 @@ macro_rules! collnet_v10 {
                 connect: fn(handles: *mut *mut c_void, nranks: c_int, rank: c_int, listenComm: *mut c_void, collComm: *mut *mut c_void) -> ncclResult_t,
                 reduceSupport: fn(dataType: ncclDataType_t, redOp: ncclRedOp_t, supported: *mut c_int) -> ncclResult_t,
                 regMr: fn(collComm: *mut c_void, data: *mut c_void, size: usize, type_: c_int, mhandle: *mut *mut c_void) -> ncclResult_t,
-                regMrDmaBuf: fn(collComm: *mut c_void, data: *mut c_void, size: usize, type_: c_int, offset: u64, fd: c_int, mhandle: *mut *mut c_void) -> ncclResult_t,
+                optional regMrDmaBuf: fn(collComm: *mut c_void, data: *mut c_void, size: usize, type_: c_int, offset: u64, fd: c_int, mhandle: *mut *mut c_void) -> ncclResult_t,
                 deregMr: fn(collComm: *mut c_void, mhandle: *mut c_void) -> ncclResult_t,
                 iallreduce: fn(collComm: *mut c_void, sendData: *mut c_void, recvData: *mut c_void, count: usize, dataType: ncclDataType_t, redOp: ncclRedOp_t, sendMhandle: *mut c_void, recvMhandle: *mut c_void, request: *mut *mut c_void) -> ncclResult_t,
-                iallgather: fn(collComm: *mut c_void, sendData: *mut c_void, nRecvParts: c_int, recvParts: *mut ncclNetSGE_v10_t, bytesPerRank: usize, windowOffset: usize, windowBytes: usize, sendMhandle: *mut c_void, request: *mut *mut c_void) -> ncclResult_t,
-                ireducescatter: fn(collComm: *mut c_void, nSendParts: c_int, sendParts: *mut ncclNetSGE_v10_t, recvData: *mut c_void, bytesPerRank: usize, windowOffset: usize, windowBytes: usize, dataType: ncclDataType_t, redOp: ncclRedOp_t, recvMhandle: *mut c_void, request: *mut *mut c_void) -> ncclResult_t,
+                optional iallgather: fn(collComm: *mut c_void, sendData: *mut c_void, nRecvParts: c_int, recvParts: *mut ncclNetSGE_v10_t, bytesPerRank: usize, windowOffset: usize, windowBytes: usize, sendMhandle: *mut c_void, request: *mut *mut c_void) -> ncclResult_t,
+                optional ireducescatter: fn(collComm: *mut c_void, nSendParts: c_int, sendParts: *mut ncclNetSGE_v10_t, recvData: *mut c_void, bytesPerRank: usize, windowOffset: usize, windowBytes: usize, dataType: ncclDataType_t, redOp: ncclRedOp_t, recvMhandle: *mut c_void, request: *mut *mut c_void) -> ncclResult_t,
                 iflush: fn(collComm: *mut c_void, data: *mut c_void, size: c_int, mhandle: *mut c_void, request: *mut *mut c_void) -> ncclResult_t,
                 test: fn(request: *mut c_void, done: *mut c_int, size: *mut c_int) -> ncclResult_t,
                 closeColl: fn(collComm: *mut c_void) -> ncclResult_t,
                 closeListen: fn(listenComm: *mut c_void) -> ncclResult_t,
-                makeVDevice: fn(d: *mut c_int, props: *mut ncclNetVDeviceProps_v10_t) -> ncclResult_t,
+                optional makeVDevice: fn(d: *mut c_int, props: *mut ncclNetVDeviceProps_v10_t) -> ncclResult_t,
             }
         }
     };

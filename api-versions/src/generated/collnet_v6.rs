@@ -30,7 +30,7 @@ macro_rules! collnet_v6 {
                 connect: fn(handles: *mut *mut c_void, nranks: c_int, rank: c_int, listenComm: *mut c_void, collComm: *mut *mut c_void) -> ncclResult_t,
                 reduceSupport: fn(dataType: ncclDataType_t, redOp: ncclRedOp_t, supported: *mut c_int) -> ncclResult_t,
                 regMr: fn(collComm: *mut c_void, data: *mut c_void, size: c_int, type_: c_int, mhandle: *mut *mut c_void) -> ncclResult_t,
-                regMrDmaBuf: fn(collComm: *mut c_void, data: *mut c_void, size: usize, type_: c_int, offset: u64, fd: c_int, mhandle: *mut *mut c_void) -> ncclResult_t,
+                optional regMrDmaBuf: fn(collComm: *mut c_void, data: *mut c_void, size: usize, type_: c_int, offset: u64, fd: c_int, mhandle: *mut *mut c_void) -> ncclResult_t,
                 deregMr: fn(collComm: *mut c_void, mhandle: *mut c_void) -> ncclResult_t,
                 iallreduce: fn(collComm: *mut c_void, sendData: *mut c_void, recvData: *mut c_void, count: c_int, dataType: ncclDataType_t, redOp: ncclRedOp_t, sendMhandle: *mut c_void, recvMhandle: *mut c_void, request: *mut *mut c_void) -> ncclResult_t,
                 iflush: fn(collComm: *mut c_void, data: *mut c_void, size: c_int, mhandle: *mut c_void, request: *mut *mut c_void) -> ncclResult_t,

@@ -30,7 +30,7 @@ macro_rules! net_v6 {
                 connect: fn(dev: c_int, handle: *mut c_void, sendComm: *mut *mut c_void) -> ncclResult_t,
                 accept: fn(listenComm: *mut c_void, recvComm: *mut *mut c_void) -> ncclResult_t,
                 regMr: fn(comm: *mut c_void, data: *mut c_void, size: c_int, type_: c_int, mhandle: *mut *mut c_void) -> ncclResult_t,
-                regMrDmaBuf: fn(comm: *mut c_void, data: *mut c_void, size: usize, type_: c_int, offset: u64, fd: c_int, mhandle: *mut *mut c_void) -> ncclResult_t,
+                optional regMrDmaBuf: fn(comm: *mut c_void, data: *mut c_void, size: usize, type_: c_int, offset: u64, fd: c_int, mhandle: *mut *mut c_void) -> ncclResult_t,
                 deregMr: fn(comm: *mut c_void, mhandle: *mut c_void) -> ncclResult_t,
                 isend: fn(sendComm: *mut c_void, data: *mut c_void, size: c_int, tag: c_int, mhandle: *mut c_void, request: *mut *mut c_void) -> ncclResult_t,
                 irecv: fn(recvComm: *mut c_void, n: c_int, data: *mut *mut c_void, sizes: *mut c_int, tags: *mut c_int, mhandles: *mut *mut c_void, request: *mut *mut c_void) -> ncclResult_t,

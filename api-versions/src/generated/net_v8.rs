@@ -40,7 +40,7 @@ macro_rules! net_v8 {
                 connect: fn(dev: c_int, handle: *mut c_void, sendComm: *mut *mut c_void, sendDevComm: *mut *mut ncclNetDeviceHandle_v8_t) -> ncclResult_t,
                 accept: fn(listenComm: *mut c_void, recvComm: *mut *mut c_void, recvDevComm: *mut *mut ncclNetDeviceHandle_v8_t) -> ncclResult_t,
                 regMr: fn(comm: *mut c_void, data: *mut c_void, size: usize, type_: c_int, mhandle: *mut *mut c_void) -> ncclResult_t,
-                regMrDmaBuf: fn(comm: *mut c_void, data: *mut c_void, size: usize, type_: c_int, offset: u64, fd: c_int, mhandle: *mut *mut c_void) -> ncclResult_t,
+                optional regMrDmaBuf: fn(comm: *mut c_void, data: *mut c_void, size: usize, type_: c_int, offset: u64, fd: c_int, mhandle: *mut *mut c_void) -> ncclResult_t,
                 deregMr: fn(comm: *mut c_void, mhandle: *mut c_void) -> ncclResult_t,
                 isend: fn(sendComm: *mut c_void, data: *mut c_void, size: c_int, tag: c_int, mhandle: *mut c_void, request: *mut *mut c_void) -> ncclResult_t,
                 irecv: fn(recvComm: *mut c_void, n: c_int, data: *mut *mut c_void, sizes: *mut c_int, tags: *mut c_int, mhandles: *mut *mut c_void, request: *mut *mut c_void) -> ncclResult_t,
@@ -49,8 +49,8 @@ macro_rules! net_v8 {
                 closeSend: fn(sendComm: *mut c_void) -> ncclResult_t,
                 closeRecv: fn(recvComm: *mut c_void) -> ncclResult_t,
                 closeListen: fn(listenComm: *mut c_void) -> ncclResult_t,
-                getDeviceMr: fn(comm: *mut c_void, mhandle: *mut c_void, dptr_mhandle: *mut *mut c_void) -> ncclResult_t,
-                irecvConsumed: fn(recvComm: *mut c_void, n: c_int, request: *mut c_void) -> ncclResult_t,
+                optional getDeviceMr: fn(comm: *mut c_void, mhandle: *mut c_void, dptr_mhandle: *mut *mut c_void) -> ncclResult_t,
+                optional irecvConsumed: fn(recvComm: *mut c_void, n: c_int, request: *mut c_void) -> ncclResult_t,
             }
         }
     };

@@ -11,9 +11,10 @@ pub struct Properties { pub name: std::ffi::CString, pub speed: c_int }
 pub fn boundary(r: &Results, _what: &str, f: impl FnOnce() -> Result<(), String>) -> c_int {
     match f() { Ok(()) => 0, Err(_) => r.internal }
 }
-pub fn out_ref<'a, T>(p: *mut T, what: &str) -> Result<&'a mut T, String> {
+pub unsafe fn out_ref<'a, T>(p: *mut T, what: &str) -> Result<&'a mut T, String> {
     unsafe { p.as_mut() }.ok_or_else(|| format!("NULL {what}"))
 }
+#[diagnostic::on_unimplemented(message = "NCCL passes `{Self}` for an argument the core's argument struct cannot take")]
 pub trait Conv<T> { fn conv(self) -> T; }
 impl<T, U> Conv<*mut U> for *mut T { fn conv(self) -> *mut U { self.cast() } }
 impl Conv<c_int> for c_int { fn conv(self) -> c_int { self } }
@@ -27,8 +28,8 @@ pub mod net {
         pub struct devices { pub ndev: *mut c_int }
         impl Default for devices { fn default() -> Self { Self { ndev: std::ptr::null_mut() } } }
     }
-    pub fn init(_: args::init) -> Result<(), String> { Ok(()) }
-    pub fn devices(a: args::devices) -> Result<(), String> { *out_ref(a.ndev, "ndev")? = 1; Ok(()) }
+    pub unsafe fn init(_: args::init) -> Result<(), String> { Ok(()) }
+    pub unsafe fn devices(a: args::devices) -> Result<(), String> { *out_ref(a.ndev, "ndev")? = 1; Ok(()) }
     pub fn get_properties(_dev: c_int, f: impl FnOnce(&Properties) -> Result<(), String>) -> Result<(), String> {
         f(&Properties { name: c"mock0".into(), speed: 100 })
     }

@@ -122,7 +122,10 @@ pub unsafe fn regMr(a: args::regMr) -> Result<()> {
     Ok(())
 }
 /// `deregMr`.
-pub fn deregMr(a: args::deregMr) -> Result<()> {
+///
+/// # Safety
+/// As for every member: NCCL's arguments, as its C declaration says.
+pub unsafe fn deregMr(a: args::deregMr) -> Result<()> {
     cn::dereg_mr(a.mhandle)
 }
 /// Writes NULL to NCCL's request slot first (so an error leaves no
@@ -238,14 +241,23 @@ pub unsafe fn test(a: args::test) -> Result<()> {
     Ok(())
 }
 /// `closeColl`.
-pub fn closeColl(a: args::closeColl) -> Result<()> {
+///
+/// # Safety
+/// As for every member: NCCL's arguments, as its C declaration says.
+pub unsafe fn closeColl(a: args::closeColl) -> Result<()> {
     cn::close_coll(a.collComm)
 }
 /// `closeListen`.
-pub fn closeListen(a: args::closeListen) -> Result<()> {
+///
+/// # Safety
+/// As for every member: NCCL's arguments, as its C declaration says.
+pub unsafe fn closeListen(a: args::closeListen) -> Result<()> {
     cn::close_listen(a.listenComm)
 }
 /// `finalize`.
-pub fn finalize(a: args::finalize) -> Result<()> {
+///
+/// # Safety
+/// As for every member: NCCL's arguments, as its C declaration says.
+pub unsafe fn finalize(a: args::finalize) -> Result<()> {
     core::finalize(a.ctx)
 }

@@ -82,7 +82,14 @@ impl SizeArray {
     }
 }
 
-/// Conversion of a C argument to the core's argument type.
+/// Conversion of a C argument to the core's argument type. The generated
+/// adapters convert every argument with it, so an NCCL version that changes
+/// an argument's C type fails to build here, naming both types.
+#[diagnostic::on_unimplemented(
+    message = "NCCL passes `{Self}` for an argument the core's argument struct cannot take",
+    label = "no conversion from this C argument",
+    note = "an NCCL version changed this argument's C type: add `impl Conv<T> for {Self}` in plugin/src/adapter/conv.rs, T being the field's type in the core's args struct"
+)]
 pub trait Conv<T> {
     /// Converts.
     fn conv(self) -> T;

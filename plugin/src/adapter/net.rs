@@ -154,7 +154,10 @@ pub unsafe fn regMr(a: args::regMr) -> Result<()> {
 }
 
 /// `deregMr`.
-pub fn deregMr(a: args::deregMr) -> Result<()> {
+///
+/// # Safety
+/// As for every member: NCCL's arguments, as its C declaration says.
+pub unsafe fn deregMr(a: args::deregMr) -> Result<()> {
     core::dereg_mr(a.comm, a.mhandle)
 }
 
@@ -288,26 +291,41 @@ pub unsafe fn test(a: args::test) -> Result<()> {
 }
 
 /// `closeSend`.
-pub fn closeSend(a: args::closeSend) -> Result<()> {
+///
+/// # Safety
+/// As for every member: NCCL's arguments, as its C declaration says.
+pub unsafe fn closeSend(a: args::closeSend) -> Result<()> {
     core::close_send(a.sendComm)
 }
 
 /// `closeRecv`.
-pub fn closeRecv(a: args::closeRecv) -> Result<()> {
+///
+/// # Safety
+/// As for every member: NCCL's arguments, as its C declaration says.
+pub unsafe fn closeRecv(a: args::closeRecv) -> Result<()> {
     core::close_recv(a.recvComm)
 }
 
 /// `closeListen`.
-pub fn closeListen(a: args::closeListen) -> Result<()> {
+///
+/// # Safety
+/// As for every member: NCCL's arguments, as its C declaration says.
+pub unsafe fn closeListen(a: args::closeListen) -> Result<()> {
     core::close_listen(a.listenComm)
 }
 
 /// `finalize(ctx)`.
-pub fn finalize(a: args::finalize) -> Result<()> {
+///
+/// # Safety
+/// As for every member: NCCL's arguments, as its C declaration says.
+pub unsafe fn finalize(a: args::finalize) -> Result<()> {
     core::finalize(a.ctx)
 }
 
 /// `setNetAttr`: a tuning hint; accepted, and nothing in SENDRECV uses it.
-pub fn setNetAttr(a: args::setNetAttr) -> Result<()> {
+///
+/// # Safety
+/// As for every member: NCCL's arguments, as its C declaration says.
+pub unsafe fn setNetAttr(a: args::setNetAttr) -> Result<()> {
     core::check_ctx(a.ctx)
 }
