@@ -460,9 +460,14 @@ mod tests {
         expand(&input)
     }
 
+    /// The error `v99(mapping)` must give.
+    fn err(mapping: &str) -> String {
+        v99(mapping).unwrap_err().to_string()
+    }
+
     #[test]
     fn unserved_field_is_named_with_the_version() {
-        let e = v99("").unwrap_err().to_string();
+        let e = err("");
         assert!(
             e.contains("ncclNet v99: props field `ncclNetProperties_v99_t.newField` is not served"),
             "{e}"
@@ -480,15 +485,17 @@ mod tests {
 
     #[test]
     fn mandatory_members_cannot_be_null() {
-        let e = v99("null = [devices];").unwrap_err().to_string();
-        assert!(e.contains("`devices` cannot be NULL"), "{e}");
-        let e = v99("null = [newHook];").unwrap_err().to_string();
-        assert!(e.contains("`newHook` cannot be NULL"), "{e}");
-        let e = v99("null = [nosuch];").unwrap_err().to_string();
-        assert!(e.contains("ncclNet v99 has no member `nosuch`"), "{e}");
-        let e = v99("props { newField = 0, nosuch = 1 }")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("has no field `nosuch`"), "{e}");
+        for (mapping, want) in [
+            ("null = [devices];", "`devices` cannot be NULL"),
+            ("null = [newHook];", "`newHook` cannot be NULL"),
+            ("null = [nosuch];", "ncclNet v99 has no member `nosuch`"),
+            (
+                "props { newField = 0, nosuch = 1 }",
+                "has no field `nosuch`",
+            ),
+        ] {
+            let e = err(mapping);
+            assert!(e.contains(want), "{mapping}: {e}");
+        }
     }
 }
