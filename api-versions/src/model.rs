@@ -3,6 +3,7 @@
 //! ```text
 //! family = net;                       // or collnet
 //! version = 9;
+//! symbol = ncclNetPlugin_v9;          // what NCCL dlsym()s
 //! results { ncclSuccess = 0, ... }    // the codes this version's NCCL knows
 //! struct ncclNetProperties_v9_t { name: *mut c_char, ... }
 //! table ncclNet_v9_t { name: *const c_char, init: fn(logFunction: ncclDebugLogger_t) -> ncclResult_t,
@@ -18,6 +19,8 @@
 //! `f32`, pointers, arrays, and names (structs of the descriptor, or NCCL's
 //! enums and callback types: `ncclResult_t`, `ncclDataType_t`, `ncclRedOp_t`,
 //! `ncclNetDeviceType`, `ncclDebugLogger_t`, `ncclProfilerCallback_t`).
+//! A name that is not a struct of the descriptor is a C type the serving
+//! crate defines (Weft: `plugin/src/adapter/ctypes.rs`).
 
 use std::fmt;
 
@@ -106,6 +109,8 @@ pub struct Descriptor {
     pub family: String,
     /// API version.
     pub version: u32,
+    /// The symbol NCCL looks the table up by (`ncclNetPlugin_v9`).
+    pub symbol: String,
     /// `ncclResult_t` codes.
     pub results: Vec<(String, i64)>,
     /// Every struct the table uses, dependencies first.
@@ -138,6 +143,7 @@ impl fmt::Display for Descriptor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "family = {};", self.family)?;
         writeln!(f, "version = {};", self.version)?;
+        writeln!(f, "symbol = {};", self.symbol)?;
         write!(f, "results {{")?;
         for (i, (n, v)) in self.results.iter().enumerate() {
             write!(f, "{}{n} = {v}", if i > 0 { ", " } else { " " })?;
@@ -250,6 +256,10 @@ impl Parse for Parsed {
         input.parse::<Token![=]>()?;
         let version: syn::LitInt = input.parse()?;
         input.parse::<Token![;]>()?;
+        kw(input, "symbol")?;
+        input.parse::<Token![=]>()?;
+        let symbol: Ident = input.parse()?;
+        input.parse::<Token![;]>()?;
         kw(input, "results")?;
         let content;
         braced!(content in input);
@@ -325,6 +335,7 @@ impl Parse for Parsed {
             desc: Descriptor {
                 family: family.to_string(),
                 version: version.base10_parse()?,
+                symbol: symbol.to_string(),
                 results,
                 structs,
                 table_name: table_name.to_string(),
@@ -350,6 +361,7 @@ mod tests {
         let d = Descriptor {
             family: "net".into(),
             version: 9,
+            symbol: "ncclNetPlugin_v9".into(),
             results: vec![("ncclSuccess".into(), 0), ("ncclSystemError".into(), 2)],
             structs: vec![Struct {
                 name: "ncclNetVDeviceProps_v9_t".into(),

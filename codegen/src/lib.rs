@@ -139,6 +139,15 @@ fn normalise(name: &str, version: u32) -> String {
     name.to_owned()
 }
 
+/// The symbol NCCL looks table `ncclNet_v9_t` up by: `ncclNetPlugin_v9`
+/// (NCCL dlsym()s `<table>Plugin_v<N>`: src/plugin/net/net_vN.cc).
+fn symbol_of(table: &str, version: u32) -> String {
+    let stem = table
+        .strip_suffix(&format!("_v{version}_t"))
+        .unwrap_or(table);
+    format!("{stem}Plugin_v{version}")
+}
+
 fn rename(t: &Ty, version: u32) -> Ty {
     match t {
         Ty::Name(n) => Ty::Name(normalise(n, version)),
@@ -275,6 +284,7 @@ pub fn extract(rust: &str) -> Result<Vec<Descriptor>, String> {
         out.push(Descriptor {
             family: family.to_owned(),
             version,
+            symbol: symbol_of(name, version),
             results,
             structs: defs,
             table_name: name.clone(),
@@ -592,6 +602,7 @@ pub fn as_version(d: &Descriptor, to: u32) -> Descriptor {
     let mut out = d.clone();
     out.version = to;
     out.table_name = normalise(&d.table_name, to);
+    out.symbol = symbol_of(&out.table_name, to);
     for s in &mut out.structs {
         s.name = normalise(&s.name, to);
         for f in &mut s.fields {

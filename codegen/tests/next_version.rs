@@ -1,9 +1,9 @@
 //! "The next NCCL in one step": a synthetic `net_v99.h` (written at test time
 //! from Weft's own v12 descriptor plus one new member and one new props
 //! field, never from NCCL's text) goes through codegen and the proc macro
-//! against the real core; the only hand-written code is the new member's
-//! argument struct and function, served and called through the table, and
-//! a value for the new field.
+//! against the real core; the only hand-written code is what serves the
+//! additions: the new member's argument struct and function (called through
+//! the table) and the new field's accessor beside the core's.
 
 use std::path::PathBuf;
 
@@ -61,14 +61,19 @@ fn v99_needs_only_the_mapping_of_its_additions() {
     );
 
     // The crate a maintainer would write: the generated descriptor, the core
-    // serving the new member (an argument struct and a function, here next
-    // to the real core's), and one line exporting the table, whose only
-    // mapping is a value for the new props field.
+    // serving the new member (an argument struct and a function) and the new
+    // props field (an accessor), here next to the real core's, and one line
+    // exporting the table, whose mapping names only the NULL members.
     let src = format!(
         "{descriptor}\n\
          // The hand-written code for v99: the new member, served.\n\
          mod core {{\n\
              pub use weft::adapter::*;\n\
+             pub mod props {{\n\
+                 pub use weft::adapter::props::*;\n\
+                 #[allow(non_snake_case)]\n\
+                 pub fn newField(p: &weft::adapter::Properties) -> std::ffi::c_int {{ p.port + 41 }}\n\
+             }}\n\
              pub mod net {{\n\
                  pub use weft::adapter::net::*;\n\
                  pub static FLAGS: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);\n\
@@ -85,7 +90,7 @@ fn v99_needs_only_the_mapping_of_its_additions() {
                  }}\n\
              }}\n\
          }}\n\
-         net_v99!(weft_macros::export {{ core = crate::core; null = [getDeviceMr, irecvConsumed]; props {{ newField = 0 }} }});\n\n\
+         net_v99!(weft_macros::export {{ core = crate::core; null = [getDeviceMr, irecvConsumed] }});\n\n\
          fn main() {{\n\
              let t = &net_v99::ncclNetPlugin_v99;\n\
              assert_eq!(std::mem::size_of::<net_v99::ncclNet_v99_t>(), 23 * std::mem::size_of::<usize>());\n\

@@ -8,21 +8,26 @@
 //!
 //! From the descriptor it emits a module `net_vN` / `collnet_vN` with the
 //! `#[repr(C)]` structs, one `extern "C"` adapter per member and the exported
-//! `#[no_mangle] static ncclNetPlugin_vN` / `ncclCollNetPlugin_vN`. An adapter
-//! only converts and forwards: every C argument goes, by its C name, into the
-//! core's argument struct for that member (`<core>::<family>::args::<member>`;
-//! arguments a version lacks take the core's defaults), the core function
-//! runs under `<core>::boundary` (panics caught, errors logged and mapped to
-//! the codes this version's NCCL knows). `getProperties` fills every field of
-//! the version's props struct from the core's properties.
+//! `#[unsafe(no_mangle)] static` named by the descriptor's `symbol`. An
+//! adapter only converts and forwards: every C argument goes, by its C name,
+//! into the core's argument struct for that member
+//! (`<core>::<family>::args::<member>`; arguments a version lacks take the
+//! core's defaults), the core function runs under `<core>::boundary` (panics
+//! caught, errors logged and mapped to the codes this version's NCCL knows,
+//! `<core>::Results::from_codes`).
 //!
-//! The macro knows no member by name but `getProperties` (whose struct it
-//! fills field by field): it emits a call for every member the mapping does
-//! not leave `null`, and rustc rejects a member the core does not serve
-//! ("cannot find function `x` in module `<core>::<family>`", pointing at the
-//! member in the descriptor). Only members the descriptor marks `optional`
-//! (NCCL checks them for NULL) may be mapped `null`; which ones Weft leaves
-//! NULL is said where the tables are exported (plugin/src/lib.rs).
+//! The macro knows nothing the core serves: a C type is
+//! `<core>::ctypes::<name>` (unless the descriptor defines the struct), a
+//! props field `f` is `<core>::props::f(&Properties)` (a nested struct's field
+//! `s.g`: `<core>::props::s::g`), a data member is
+//! `<core>::<family>::data::<name>`, and every member the mapping does not
+//! leave `null` is a call of `<core>::<family>::<member>`, each on the span
+//! of its declaration in the descriptor, so rustc's "cannot find ..." names
+//! what the core lacks where it is declared. Only members the descriptor
+//! marks `optional` (NCCL checks them for NULL) may be mapped `null`; which
+//! ones Weft leaves NULL is said where the tables are exported
+//! (plugin/src/lib.rs). The one member it knows by name is `getProperties`,
+//! whose props struct it fills field by field.
 
 use proc_macro::TokenStream;
 use proc_macro2::{Span, TokenStream as Tokens};
@@ -121,81 +126,80 @@ pub fn export(input: TokenStream) -> TokenStream {
     }
 }
 
-fn rust_ty(t: &Ty, core: &Path) -> Tokens {
+/// The Rust type of a descriptor type: a struct of the descriptor is the
+/// one generated beside it; any other name is the core's (`<core>::ctypes`),
+/// on `span` (where it is declared) so that rustc's "cannot find type" for a
+/// type the core lacks points there.
+fn rust_ty(t: &Ty, d: &Descriptor, core: &Path, span: Span) -> Tokens {
     match t {
         Ty::Name(n) => {
-            let id = format_ident!("{}", n);
-            match n.as_str() {
-                "c_int" | "c_uint" | "c_char" | "c_void" | "c_ulong" | "c_long" => {
-                    quote!(::std::os::raw::#id)
-                }
-                "ncclDebugLogger_t" => quote!(::core::option::Option<#core::Logger>),
-                "ncclProfilerCallback_t" => quote!(*mut ::std::os::raw::c_void),
-                "ncclResult_t" | "ncclDataType_t" | "ncclRedOp_t" | "ncclNetDeviceType" => {
-                    quote!(::std::os::raw::c_int)
-                }
-                _ => quote!(#id),
+            let id = Ident::new(n, span);
+            if d.struct_named(n).is_some() {
+                quote!(#id)
+            } else {
+                quote_spanned!(span=> #core::ctypes::#id)
             }
         }
         Ty::Ptr { mutable: true, to } => {
-            let t = rust_ty(to, core);
+            let t = rust_ty(to, d, core, span);
             quote!(*mut #t)
         }
         Ty::Ptr { mutable: false, to } => {
-            let t = rust_ty(to, core);
+            let t = rust_ty(to, d, core, span);
             quote!(*const #t)
         }
         Ty::Array(t, n) => {
-            let t = rust_ty(t, core);
+            let t = rust_ty(t, d, core, span);
             quote!([#t; #n])
         }
     }
 }
 
-/// How the core's properties fill one props field (`p` is `&<core>::Properties`).
-fn prop_field(name: &str, ty: &Ty, d: &Descriptor, core: &Path) -> Option<Tokens> {
-    Some(match name {
-        "name" => quote!(p.name.as_ptr().cast_mut()),
-        "pciPath" => quote!(p
-            .pci_path
-            .as_ref()
-            .map_or(::std::ptr::null_mut(), |c| c.as_ptr().cast_mut())),
-        "guid" => quote!(p.guid),
-        "ptrSupport" => quote!(p.ptr_support),
-        "regIsGlobal" => quote!(p.reg_is_global),
-        "forceFlush" => quote!(p.force_flush),
-        "speed" => quote!(p.speed),
-        "port" => quote!(p.port),
-        "latency" => quote!(p.latency),
-        "maxComms" => quote!(p.max_comms),
-        "maxRecvs" => quote!(p.max_recvs),
-        "netDeviceType" => quote!(p.net_device_type),
-        "netDeviceVersion" => quote!(p.net_device_version),
-        "maxP2pBytes" => quote!(p.max_p2p_bytes),
-        "maxCollBytes" => quote!(p.max_coll_bytes),
-        "maxMultiRequestSize" => quote!(p.max_multi_request_size),
-        "railId" => quote!(p.rail_id),
-        "planeId" => quote!(p.plane_id),
-        "vProps" => {
-            let Ty::Name(sname) = ty else { return None };
-            let s = d.struct_named(sname)?;
-            let cap = s.fields.iter().find_map(|f| match (&f.name[..], &f.ty) {
-                ("devs", Ty::Array(_, n)) => Some(*n),
-                _ => None,
-            })?;
-            let sid = format_ident!("{}", sname);
-            let _ = core;
-            quote!({
-                let mut v = #sid { ndevs: 0, devs: [0; #cap] };
-                for (slot, d) in v.devs.iter_mut().zip(p.vdevs.iter()) {
-                    *slot = *d;
-                    v.ndevs += 1;
-                }
-                v
-            })
+/// Where field `field` of struct `st` is declared in the descriptor.
+fn field_span(p: &Parsed, st: &str, field: &str) -> Span {
+    p.field_spans
+        .iter()
+        .find(|(s, f, _)| s == st && f == field)
+        .map_or_else(Span::call_site, |(_, _, sp)| *sp)
+}
+
+/// The assignments that fill props struct `sname` at `out.<path>`: a field
+/// the mapping gives a value takes it; a field whose type is a struct of the
+/// descriptor is filled field by field; any other field `f` takes
+/// `<core>::props::<path>::f(p)` (`p` is `&<core>::Properties`), on the
+/// field's span so that rustc's "cannot find function" points at it.
+fn prop_sets(
+    sname: &str,
+    path: &[Ident],
+    input: &Input,
+    span: Span,
+    sets: &mut Vec<Tokens>,
+) -> syn::Result<()> {
+    let d = &input.parsed.desc;
+    let core = &input.mapping.core;
+    let s = d
+        .struct_named(sname)
+        .ok_or_else(|| syn::Error::new(span, format!("struct {sname} missing")))?;
+    for f in &s.fields {
+        let fspan = field_span(&input.parsed, sname, &f.name);
+        let fid = Ident::new(&f.name, fspan);
+        let given = path
+            .is_empty()
+            .then(|| input.mapping.props.iter().find(|(k, _)| *k == f.name))
+            .flatten();
+        match (&f.ty, given) {
+            (_, Some((_, e))) => sets.push(quote!(out.#fid = #e;)),
+            (Ty::Name(n), None) if d.struct_named(n).is_some() => {
+                let mut inner = path.to_vec();
+                inner.push(fid);
+                prop_sets(n, &inner, input, span, sets)?;
+            }
+            (_, None) => sets.push(
+                quote_spanned!(fspan=> out.#(#path.)*#fid = #core::props::#(#path::)*#fid(p);),
+            ),
         }
-        _ => return None,
-    })
+    }
+    Ok(())
 }
 
 fn expand(input: &Input) -> syn::Result<Tokens> {
@@ -203,22 +207,10 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
     let m = &input.mapping;
     let core = &m.core;
     let family = d.family.as_str();
-    let (symbol, label) = match family {
-        "net" => (
-            format_ident!("ncclNetPlugin_v{}", d.version),
-            format!("ncclNet v{}", d.version),
-        ),
-        "collnet" => (
-            format_ident!("ncclCollNetPlugin_v{}", d.version),
-            format!("ncclCollNet v{}", d.version),
-        ),
-        other => {
-            return Err(syn::Error::new(
-                Span::call_site(),
-                format!("unknown family `{other}`"),
-            ))
-        }
-    };
+    let symbol = format_ident!("{}", d.symbol);
+    // "ncclNet v9", from the table's name `ncclNet_v9_t`.
+    let stem = d.table_name.strip_suffix(&format!("_v{}_t", d.version));
+    let label = format!("{} v{}", stem.unwrap_or(&d.table_name), d.version);
     let fam = format_ident!("{}", family);
     let module = format_ident!("{}_v{}", family, d.version);
     let table = format_ident!("{}", d.table_name);
@@ -246,33 +238,14 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
         }
     }
 
-    // Result codes this version's NCCL knows.
-    let code = |n: &str| {
-        d.results
-            .iter()
-            .find(|(k, _)| k == n)
-            .map(|(_, v)| *v as i32)
-    };
-    let need = |n: &str| {
-        code(n).ok_or_else(|| {
-            syn::Error::new(
-                Span::call_site(),
-                format!("{label}: descriptor lacks result code {n}"),
-            )
-        })
-    };
-    let (system, internal, usage) = (
-        need("ncclSystemError")?,
-        need("ncclInternalError")?,
-        need("ncclInvalidUsage")?,
-    );
-    let remote = code("ncclRemoteError").unwrap_or(system);
+    // Every result code this version's NCCL knows; the core picks its own.
+    let codes = d.results.iter().map(|(n, v)| quote!((#n, #v)));
 
     let structs = d.structs.iter().map(|s| {
         let id = format_ident!("{}", s.name);
         let fields = s.fields.iter().map(|f| {
             let n = format_ident!("{}", f.name);
-            let t = rust_ty(&f.ty, core);
+            let t = rust_ty(&f.ty, d, core, field_span(&input.parsed, &s.name, &f.name));
             quote!(pub #n: #t)
         });
         quote! {
@@ -295,18 +268,10 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
         match mem {
             Member::Data(f) => {
                 let n = format_ident!("{}", f.name);
-                let t = rust_ty(&f.ty, core);
-                if f.name != "name" {
-                    return Err(syn::Error::new(
-                        span,
-                        format!(
-                            "{label}: data member `{}` is not served by the core",
-                            f.name
-                        ),
-                    ));
-                }
+                let t = rust_ty(&f.ty, d, core, span);
+                let served = Ident::new(&f.name, span);
                 table_fields.push(quote!(pub #n: #t));
-                inits.push(quote!(#n: #core::NAME.as_ptr()));
+                inits.push(quote_spanned!(span=> #n: #core::#fam::data::#served));
             }
             Member::Fn {
                 name, args, ret, ..
@@ -314,8 +279,9 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
                 let n = format_ident!("{}", name);
                 let arg_names: Vec<Ident> =
                     args.iter().map(|a| format_ident!("{}", a.name)).collect();
-                let arg_tys: Vec<Tokens> = args.iter().map(|a| rust_ty(&a.ty, core)).collect();
-                let ret_t = rust_ty(ret, core);
+                let arg_tys: Vec<Tokens> =
+                    args.iter().map(|a| rust_ty(&a.ty, d, core, span)).collect();
+                let ret_t = rust_ty(ret, d, core, span);
                 table_fields.push(quote!(pub #n: ::core::option::Option<unsafe extern "C" fn(#(#arg_names: #arg_tys),*) -> #ret_t>));
                 if null.contains(name) {
                     inits.push(quote!(#n: None));
@@ -340,29 +306,11 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
                             format!("{label}: getProperties' props is not a struct"),
                         ));
                     };
+                    let mut sets = Vec::new();
+                    prop_sets(sname, &[], input, span, &mut sets)?;
                     let s = d.struct_named(sname).ok_or_else(|| {
                         syn::Error::new(span, format!("{label}: struct {sname} missing"))
                     })?;
-                    let mut sets = Vec::new();
-                    for f in &s.fields {
-                        let fid = format_ident!("{}", f.name);
-                        let value = match m.props.iter().find(|(k, _)| *k == f.name) {
-                            Some((_, e)) => quote!(#e),
-                            None => prop_field(&f.name, &f.ty, d, core).ok_or_else(|| {
-                                let fspan = input
-                                    .parsed
-                                    .field_spans
-                                    .iter()
-                                    .find(|(st, fl, _)| st == sname && *fl == f.name)
-                                    .map_or(span, |(_, _, sp)| *sp);
-                                syn::Error::new(fspan, format!(
-                                    "{label}: props field `{}.{}` is not served by the core; give it a value in the mapping (`props {{ {} = ... }}`) or serve it in the core",
-                                    sname, f.name, f.name
-                                ))
-                            })?,
-                        };
-                        sets.push(quote!(out.#fid = #value;));
-                    }
                     for (k, _) in &m.props {
                         if !s.fields.iter().any(|f| *k == f.name) {
                             return Err(syn::Error::new(
@@ -420,12 +368,7 @@ fn expand(input: &Input) -> syn::Result<Tokens> {
             // static string.
             unsafe impl Sync for #table {}
 
-            const RESULTS: #core::Results = #core::Results {
-                system: #system,
-                internal: #internal,
-                invalid_usage: #usage,
-                remote: #remote,
-            };
+            const RESULTS: #core::Results = #core::Results::from_codes(&[#(#codes),*]);
 
             #(#adapters)*
 
@@ -445,7 +388,7 @@ mod tests {
     fn v99(mapping: &str) -> syn::Result<Tokens> {
         let text = format!(
             "mapping {{ core = mock; {mapping} }}
-             family = net; version = 99;
+             family = net; version = 99; symbol = ncclNetPlugin_v99;
              results {{ ncclSuccess = 0, ncclSystemError = 2, ncclInternalError = 3, ncclInvalidUsage = 5, ncclRemoteError = 6 }}
              struct ncclNetProperties_v99_t {{ name: *mut c_char, speed: c_int, newField: c_int }}
              table ncclNet_v99_t {{
@@ -466,20 +409,25 @@ mod tests {
     }
 
     #[test]
-    fn unserved_field_is_named_with_the_version() {
-        let e = err("");
-        assert!(
-            e.contains("ncclNet v99: props field `ncclNetProperties_v99_t.newField` is not served"),
-            "{e}"
-        );
-        // A member is not checked here: the call is emitted, and rustc
-        // rejects it if the core lacks the function (tests/ui).
-        let t = v99("props { newField = 0 }").unwrap().to_string();
+    fn every_member_and_field_is_emitted_for_rustc_to_check() {
+        // Neither members nor props fields are checked here: the calls are
+        // emitted, and rustc rejects one the core lacks (tests/ui).
+        let t = v99("").unwrap().to_string();
         assert!(t.contains("mock :: net :: newHook"), "{t}");
+        assert!(
+            t.contains("out . newField = mock :: props :: newField (p)"),
+            "{t}"
+        );
+        assert!(t.contains("name : mock :: net :: data :: name"), "{t}");
+        assert!(t.contains("pub static ncclNetPlugin_v99"), "{t}");
+        // C types are the core's, structs the descriptor's.
+        assert!(t.contains("dev : mock :: ctypes :: c_int"), "{t}");
+        assert!(t.contains("props : * mut ncclNetProperties_v99_t"), "{t}");
         let t = v99("null = [newOptional]; props { newField = 0 }")
             .unwrap()
             .to_string();
         assert!(t.contains("newOptional : None"), "{t}");
+        assert!(t.contains("out . newField = 0"), "{t}");
         assert!(!t.contains("unused_unsafe"), "{t}");
     }
 

@@ -9,6 +9,7 @@ macro_rules! collnet_v5 {
             mapping { $($($map)*)? }
             family = collnet;
             version = 5;
+            symbol = ncclCollNetPlugin_v5;
             results { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3, ncclInvalidArgument = 4, ncclInvalidUsage = 5 }
             struct ncclNetProperties_v5_t {
                 name: *mut c_char,

@@ -9,6 +9,7 @@ macro_rules! collnet_v7 {
             mapping { $($($map)*)? }
             family = collnet;
             version = 7;
+            symbol = ncclCollNetPlugin_v7;
             results { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3, ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6 }
             struct ncclNetProperties_v7_t {
                 name: *mut c_char,

@@ -9,6 +9,7 @@ macro_rules! collnet_v8 {
             mapping { $($($map)*)? }
             family = collnet;
             version = 8;
+            symbol = ncclCollNetPlugin_v8;
             results { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3, ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6 }
             struct ncclNetSGE_v8_t {
                 mhandle: *mut c_void,

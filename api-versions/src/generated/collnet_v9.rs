@@ -9,6 +9,7 @@ macro_rules! collnet_v9 {
             mapping { $($($map)*)? }
             family = collnet;
             version = 9;
+            symbol = ncclCollNetPlugin_v9;
             results { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3, ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6 }
             struct ncclNetVDeviceProps_v9_t {
                 ndevs: c_int,

@@ -9,6 +9,7 @@ macro_rules! net_v11 {
             mapping { $($($map)*)? }
             family = net;
             version = 11;
+            symbol = ncclNetPlugin_v11;
             results { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3, ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6 }
             struct ncclNetCommAttr_v11_t {
                 maxConcurrentPeers: i32,

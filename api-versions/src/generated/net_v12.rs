@@ -9,6 +9,7 @@ macro_rules! net_v12 {
             mapping { $($($map)*)? }
             family = net;
             version = 12;
+            symbol = ncclNetPlugin_v12;
             results { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3, ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6 }
             struct ncclNetCommAttr_v12_t {
                 maxConcurrentPeers: i32,

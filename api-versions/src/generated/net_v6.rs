@@ -9,6 +9,7 @@ macro_rules! net_v6 {
             mapping { $($($map)*)? }
             family = net;
             version = 6;
+            symbol = ncclNetPlugin_v6;
             results { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3, ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6 }
             struct ncclNetProperties_v6_t {
                 name: *mut c_char,

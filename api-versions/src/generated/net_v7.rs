@@ -9,6 +9,7 @@ macro_rules! net_v7 {
             mapping { $($($map)*)? }
             family = net;
             version = 7;
+            symbol = ncclNetPlugin_v7;
             results { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3, ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6 }
             struct ncclNetDeviceHandle_v7_t {
                 netDeviceType: ncclNetDeviceType,

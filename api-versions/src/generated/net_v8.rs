@@ -9,6 +9,7 @@ macro_rules! net_v8 {
             mapping { $($($map)*)? }
             family = net;
             version = 8;
+            symbol = ncclNetPlugin_v8;
             results { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3, ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6 }
             struct ncclNetDeviceHandle_v8_t {
                 netDeviceType: ncclNetDeviceType,

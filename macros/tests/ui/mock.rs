@@ -6,6 +6,20 @@ use std::ffi::{c_int, c_void, CStr};
 pub const NAME: &CStr = c"Mock";
 pub type Logger = unsafe extern "C" fn(c_int, std::ffi::c_ulong, *const std::ffi::c_char, c_int, *const std::ffi::c_char, ...);
 pub struct Results { pub system: c_int, pub internal: c_int, pub invalid_usage: c_int, pub remote: c_int }
+impl Results {
+    pub const fn from_codes(_: &[(&str, i64)]) -> Results { Results { system: 2, internal: 3, invalid_usage: 5, remote: 2 } }
+}
+pub mod ctypes {
+    pub use std::ffi::{c_char, c_int, c_void};
+    pub use std::primitive::u16;
+    pub type ncclResult_t = c_int;
+    pub type ncclDebugLogger_t = Option<super::Logger>;
+}
+pub mod props {
+    use super::Properties;
+    pub fn name(p: &Properties) -> *mut std::ffi::c_char { p.name.as_ptr().cast_mut() }
+    pub fn speed(p: &Properties) -> std::ffi::c_int { p.speed }
+}
 pub struct Properties { pub name: std::ffi::CString, pub speed: c_int }
 
 pub fn boundary(r: &Results, _what: &str, f: impl FnOnce() -> Result<(), String>) -> c_int {
@@ -22,6 +36,7 @@ impl Conv<Option<Logger>> for Option<Logger> { fn conv(self) -> Option<Logger> {
 
 pub mod net {
     use super::*;
+    pub mod data { pub const name: *const std::ffi::c_char = super::super::NAME.as_ptr(); }
     pub mod args {
         use super::*;
         #[derive(Default)] pub struct init { pub logFunction: Option<Logger> }

@@ -5,6 +5,7 @@ weft_macros::export! {
     mapping { core = crate::mock; props { newField = 7 } }
     family = net;
     version = 99;
+    symbol = ncclNetPlugin_v99;
     results { ncclSuccess = 0, ncclSystemError = 2, ncclInternalError = 3, ncclInvalidUsage = 5 }
     struct ncclNetProperties_v99_t { name: *mut c_char, speed: c_int, newField: c_int }
     table ncclNet_v99_t {

@@ -63,8 +63,8 @@ pub unsafe fn devices(a: args::devices) -> Result<()> {
     // SAFETY: forwarded contract; the same single output slot.
     unsafe { super::net::devices(super::net::args::devices { ndev: a.ndev }) }
 }
-/// `getProperties`: the net device's.
-pub use super::net::get_properties;
+/// `getProperties` and the data members: the net table's.
+pub use super::net::{data, get_properties};
 /// `listen`.
 ///
 /// # Safety

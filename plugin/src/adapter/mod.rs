@@ -16,7 +16,7 @@ pub const NAME: &CStr = c"Weft";
 pub type Logger = crate::log::NcclDebugLogger;
 
 /// The `ncclResult_t` values one API version's NCCL knows.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Results {
     /// `ncclSystemError`.
     pub system: c_int,
@@ -26,6 +26,54 @@ pub struct Results {
     pub invalid_usage: c_int,
     /// `ncclRemoteError`, or `ncclSystemError` where the release lacks it.
     pub remote: c_int,
+}
+
+impl Results {
+    /// The codes Weft returns, looked up by name in a descriptor's
+    /// `results` (every code that version's NCCL knows). Evaluated at
+    /// compile time by the generated tables: a descriptor lacking one of
+    /// the codes Weft needs fails the build, naming it.
+    pub const fn from_codes(codes: &[(&str, i64)]) -> Results {
+        let Some(system) = code(codes, "ncclSystemError") else {
+            panic!("the descriptor lacks ncclSystemError")
+        };
+        let Some(internal) = code(codes, "ncclInternalError") else {
+            panic!("the descriptor lacks ncclInternalError")
+        };
+        let Some(invalid_usage) = code(codes, "ncclInvalidUsage") else {
+            panic!("the descriptor lacks ncclInvalidUsage")
+        };
+        let remote = match code(codes, "ncclRemoteError") {
+            Some(c) => c,
+            None => system,
+        };
+        Results {
+            system,
+            internal,
+            invalid_usage,
+            remote,
+        }
+    }
+}
+
+/// The value of code `name` in `codes` (a const fn: no `==` on `str`).
+const fn code(codes: &[(&str, i64)], name: &str) -> Option<c_int> {
+    let mut i = 0;
+    while i < codes.len() {
+        let (n, v) = codes[i];
+        if n.len() == name.len() {
+            let (a, b) = (n.as_bytes(), name.as_bytes());
+            let mut j = 0;
+            while j < a.len() && a[j] == b[j] {
+                j += 1;
+            }
+            if j == a.len() {
+                return Some(v as c_int);
+            }
+        }
+        i += 1;
+    }
+    None
 }
 
 /// Runs one adapter body: catches panics, logs failures with what failed,
@@ -92,6 +140,9 @@ macro_rules! args {
 
 mod conv;
 pub use conv::*;
+pub mod ctypes;
+/// The value of each field of NCCL's props structs (see the module).
+pub use crate::core::props::fields as props;
 
 /// NCCL's connection handle buffer.
 ///

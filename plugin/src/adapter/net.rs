@@ -4,6 +4,15 @@
 
 use super::*;
 
+/// The table's data members, by NCCL's names.
+#[allow(non_upper_case_globals)]
+pub mod data {
+    use std::ffi::c_char;
+
+    /// `name`: the table name NCCL matches `NCCL_NET` against.
+    pub const name: *const c_char = super::NAME.as_ptr();
+}
+
 /// Argument structs, one per member, fields named as in NCCL's headers.
 #[allow(non_snake_case)]
 pub mod args {

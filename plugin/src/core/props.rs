@@ -121,6 +121,115 @@ fn sysfs_speed(provider: &str, domain: &str) -> Option<i32> {
     s.trim().parse::<i32>().ok().filter(|&v| v > 0)
 }
 
+/// The value of each field of NCCL's `ncclNetProperties_vN_t`, one function
+/// per field under NCCL's name for it. The generated `getProperties` of every
+/// API version fills field `f` with `fields::f(p)` and a field `g` of a
+/// nested struct `s` with `fields::s::g(p)`, so serving a field a new NCCL
+/// version adds is one function here (rustc names a missing one: "cannot
+/// find function `f` in module `props`", at the field in the descriptor).
+#[allow(non_snake_case)]
+pub mod fields {
+    use std::ffi::{c_char, c_int};
+
+    use super::Properties;
+
+    /// `name`.
+    pub fn name(p: &Properties) -> *mut c_char {
+        p.name.as_ptr().cast_mut()
+    }
+    /// `pciPath` (NULL when the device has none).
+    pub fn pciPath(p: &Properties) -> *mut c_char {
+        p.pci_path
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |c| c.as_ptr().cast_mut())
+    }
+    /// `guid`.
+    pub fn guid(p: &Properties) -> u64 {
+        p.guid
+    }
+    /// `ptrSupport`.
+    pub fn ptrSupport(p: &Properties) -> c_int {
+        p.ptr_support
+    }
+    /// `regIsGlobal`.
+    pub fn regIsGlobal(p: &Properties) -> c_int {
+        p.reg_is_global
+    }
+    /// `forceFlush`.
+    pub fn forceFlush(p: &Properties) -> c_int {
+        p.force_flush
+    }
+    /// `speed`.
+    pub fn speed(p: &Properties) -> c_int {
+        p.speed
+    }
+    /// `port`.
+    pub fn port(p: &Properties) -> c_int {
+        p.port
+    }
+    /// `latency`.
+    pub fn latency(p: &Properties) -> f32 {
+        p.latency
+    }
+    /// `maxComms`.
+    pub fn maxComms(p: &Properties) -> c_int {
+        p.max_comms
+    }
+    /// `maxRecvs`.
+    pub fn maxRecvs(p: &Properties) -> c_int {
+        p.max_recvs
+    }
+    /// `netDeviceType`.
+    pub fn netDeviceType(p: &Properties) -> c_int {
+        p.net_device_type
+    }
+    /// `netDeviceVersion`.
+    pub fn netDeviceVersion(p: &Properties) -> c_int {
+        p.net_device_version
+    }
+    /// `maxP2pBytes`.
+    pub fn maxP2pBytes(p: &Properties) -> usize {
+        p.max_p2p_bytes
+    }
+    /// `maxCollBytes`.
+    pub fn maxCollBytes(p: &Properties) -> usize {
+        p.max_coll_bytes
+    }
+    /// `maxMultiRequestSize`.
+    pub fn maxMultiRequestSize(p: &Properties) -> c_int {
+        p.max_multi_request_size
+    }
+    /// `railId`.
+    pub fn railId(p: &Properties) -> i16 {
+        p.rail_id
+    }
+    /// `planeId`.
+    pub fn planeId(p: &Properties) -> i16 {
+        p.plane_id
+    }
+
+    /// `vProps` (v9+): the physical devices a device is made of.
+    pub mod vProps {
+        use super::*;
+
+        /// `vProps.devs`, as many as the version's array holds.
+        pub fn devs<const N: usize>(p: &Properties) -> [c_int; N] {
+            let mut d = [0; N];
+            for (slot, v) in d.iter_mut().zip(&p.vdevs) {
+                *slot = *v;
+            }
+            d
+        }
+        /// `vProps.ndevs`. A device has at most as many children as the
+        /// `devs` array of the API version that made it holds (a physical
+        /// device 1; `makeVDevice` refuses more than its version's array
+        /// holds), so this never exceeds what `devs` filled.
+        pub fn ndevs(p: &Properties) -> c_int {
+            c_int::try_from(p.vdevs.len()).unwrap_or(c_int::MAX)
+        }
+    }
+}
+
 /// Computes the properties of device `index`.
 pub fn properties(index: usize, dev: &Device, config: &Config) -> Properties {
     let speed = match config.link_speed_mbps {
