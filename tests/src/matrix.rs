@@ -288,173 +288,332 @@ unsafe fn irecv(
     Ok(req)
 }
 
-/// Runs one cell; returns the number of checks that passed.
+/// A step's failure, prefixed with the step's name.
+fn named<T>(step: &str, r: Res<T>) -> Res<T> {
+    r.map_err(|e| format!("step `{step}`: {e}"))
+}
+
+/// Runs one cell; returns the number of checks that passed. The cell is a
+/// sequence of named steps, in the order NCCL's calls come; a failure names
+/// its step, then the call.
 ///
 /// `peer` is a binary that serves `--serve <version> --provider <p>` (the demo).
 pub fn cell(version: u32, provider: &str, peer: &Path) -> Res<usize> {
     crate::host::configure(provider);
     let lib = emu::open();
-    // NCCL's loader: newest version first, first symbol found wins.
-    let found = (5..=version).rev().find(|k| {
-        // SAFETY: only the symbol's presence is read.
-        unsafe { lib.get::<*const c_void>(format!("ncclNetPlugin_v{k}").as_bytes()) }.is_ok()
-    });
-    if found != Some(version) {
-        return Err(format!(
-            "ncclNet v{version}: the newest-first lookup found {found:?}, expected v{version}"
-        ));
-    }
-    let n = emu::net(&lib, version);
-    let n = &*n;
     let mut c = Checks {
         v: version,
         provider: provider.to_owned(),
         n: 0,
     };
     let c = &mut c;
-    c.n += 1; // the lookup above
-              // SAFETY: every call follows NCCL's conventions for this version; buffers
-              // outlive the requests that use them.
-    unsafe {
-        // Loader: the name is read right after dlsym, and NCCL_NET=Weft selects
-        // it (2.12 compares case-sensitively).
-        let name = n.name();
-        c.that(name == "Weft", "name", "before init", "\"Weft\"", &name)?;
-        let mut ctx = null();
-        c.ok("init", "first communicator", n.init(&mut ctx))?;
-        if version >= 11 {
-            c.that(!ctx.is_null(), "init", "v11+", "a context", "NULL")?;
-            let mut more = [null::<c_void>(); 2];
-            for m in &mut more {
-                c.ok("init", "another communicator", n.init(m))?;
-                c.that(
-                    !m.is_null() && *m != ctx,
-                    "init",
-                    "another communicator",
-                    "a new context",
-                    format_args!("{m:p}"),
-                )?;
-            }
-            for m in more {
-                c.ok("finalize", "per context", n.finalize(m))?;
-            }
+    named("lookup", lookup(&lib, c))?;
+    let n = emu::net(&lib, version);
+    let n = &*n;
+    // Every unsafe block below ("as above") calls a step that drives the
+    // table as this version's NCCL does: `ctx` is what `init` returned, the
+    // comms and handles passed are live ones of this table, buffers outlive
+    // the requests on them.
+    // SAFETY: `n` was opened by `emu::net`; `init` is its first call.
+    let ctx = named("init", unsafe { init(n, c) })?;
+    // SAFETY: as above.
+    let nd = named("devices", unsafe { devices(n, c) })?;
+    // Two connections: both forms of the device-handle argument.
+    // SAFETY: as above.
+    let a = named("pair with NULL devComm", unsafe { pair(n, c, ctx, true) })?;
+    // SAFETY: as above.
+    let b = named("pair with &NULL devComm", unsafe { pair(n, c, ctx, false) })?;
+    // SAFETY: as above; `a` is live.
+    let mut m = named("register", unsafe { Mem::register(n, c, &a, version) })?;
+    named("regMrDmaBuf refused", dmabuf_refused(n, c, a.r, &mut m.dst))?;
+    // SAFETY: as above; `a` and `m`'s handles are live.
+    named("size sweep", unsafe { size_sweep(n, c, &a, &mut m) })?;
+    // SAFETY: as above; `b` and `m`'s send handle are live.
+    let bmh = named("regIsGlobal", unsafe { reg_is_global(n, c, &b, &m) })?;
+    // SAFETY: as above; `a` and `m`'s send handle are live.
+    let wmh = named("windows", unsafe { windows(n, c, &a, &m) })?;
+    let (bmh, wmh) = (&bmh, &wmh);
+    if provider.starts_with("tcp") || provider == "shm" {
+        // SAFETY: as above; `a` and `m`'s send handle are live.
+        named("truncation", unsafe { truncation(n, c, &a, &m) })?;
+    }
+    // NCCL deregisters, then closes.
+    // SAFETY: as above; each handle was registered on the comm named and is
+    // deregistered once, and nothing is in flight.
+    named("deregister and close", unsafe {
+        for (comm, mh) in [(a.s, m.smh), (a.r, m.rmh), (b.r, bmh.mh), (a.r, wmh.mh)] {
+            c.ok("deregMr", "", n.dereg_mr(comm, mh))?;
         }
-        let mut nd = 0;
-        c.ok("devices", "", n.devices(&mut nd))?;
-        c.that(nd >= 1, "devices", "", ">= 1", nd)?;
-        for d in 0..nd {
-            match n.props(d) {
-                Ok((pname, speed, recvs, rg)) => {
-                    c.that(
-                        !pname.is_empty() && speed > 0 && recvs == 8,
-                        "getProperties",
-                        d,
-                        "name, speed > 0, maxRecvs 8",
-                        format_args!("{pname:?}, {speed}, {recvs}"),
-                    )?;
-                    if version >= 8 {
-                        c.that(rg == 1, "getProperties", d, "regIsGlobal 1", rg)?;
-                    }
-                }
-                Err(r) => {
-                    return Err(c.fail(
-                        "getProperties",
-                        d,
-                        "ncclSuccess",
-                        format_args!("result {r}"),
-                    ))
-                }
-            }
-        }
-        for bad in [nd, -1] {
-            let r = n.props(bad).err();
+        c.ok("closeSend", "", n.close_send(a.s))?;
+        c.ok("closeSend", "", n.close_send(b.s))?;
+        c.ok("closeRecv", "", n.close_recv(a.r))?;
+        c.ok("closeRecv", "", n.close_recv(b.r))
+    })?;
+    // NCCL's threads: a service thread opens, registers and closes comms
+    // while two progress threads move data on comms of their own.
+    // SAFETY: as above.
+    c.n += named("threads", unsafe { threads(n, ctx, version, provider) })?;
+    // SAFETY: as above.
+    named("corrupted handle", unsafe { corrupted_handle(n, c, ctx) })?;
+    // Two processes: the peer receives 16 x 1 MiB through the same table.
+    // SAFETY: as above.
+    let moved = named("two processes", unsafe {
+        two_process(n, c, ctx, version, provider, peer)
+    })?;
+    c.that(
+        moved == 16 << 20,
+        "isend",
+        "to another process",
+        "16 MiB verified by the peer",
+        moved,
+    )?;
+    if version >= 9 {
+        // NIC fusion (v9+).
+        // SAFETY: as above.
+        named("makeVDevice", unsafe { vdev(n, c, ctx, nd) })?;
+    } else {
+        // SAFETY: as above.
+        let made = unsafe { n.make_vdevice(1, &[0]) };
+        c.that(
+            made.is_none(),
+            "makeVDevice",
+            "",
+            "no such member before v9",
+            "one",
+        )?;
+    }
+    if version >= 11 {
+        // SAFETY: as above; the last use of `ctx`.
+        let r = unsafe { n.finalize(ctx) };
+        named("finalize", c.ok("finalize", "last context", r))?;
+    }
+    Ok(c.n)
+}
+
+/// NCCL's loader: newest version first, the first symbol found wins, and it
+/// must be this cell's.
+fn lookup(lib: &libloading::os::unix::Library, c: &mut Checks) -> Res {
+    let version = c.v;
+    let found = (5..=version).rev().find(|k| {
+        // SAFETY: only the symbol's presence is read.
+        unsafe { lib.get::<*const c_void>(format!("ncclNetPlugin_v{k}").as_bytes()) }.is_ok()
+    });
+    c.that(
+        found == Some(version),
+        "dlsym",
+        "newest-first lookup",
+        format_args!("ncclNetPlugin_v{version}"),
+        format_args!("{found:?}"),
+    )
+}
+
+/// The name read right after dlsym (NCCL_NET=Weft selects it; 2.12 compares
+/// case-sensitively), then `init`; from v11 each communicator gets a context
+/// of its own, and `finalize` ends one. Returns the context the rest uses.
+///
+/// # Safety
+/// `n` is a table as [`emu::net`] opens it.
+unsafe fn init(n: &dyn Net, c: &mut Checks) -> Res<*mut c_void> {
+    let name = n.name();
+    c.that(name == "Weft", "name", "before init", "\"Weft\"", &name)?;
+    let mut ctx = null();
+    // SAFETY: NCCL's first call of the table, with a writable context slot.
+    c.ok("init", "first communicator", unsafe { n.init(&mut ctx) })?;
+    if c.v >= 11 {
+        c.that(!ctx.is_null(), "init", "v11+", "a context", "NULL")?;
+        let mut more = [null::<c_void>(); 2];
+        for m in &mut more {
+            // SAFETY: as above.
+            c.ok("init", "another communicator", unsafe { n.init(m) })?;
             c.that(
-                r == Some(3),
-                "getProperties",
-                bad,
-                "ncclInternalError (3) for a device that does not exist",
-                format_args!("{r:?}"),
+                !m.is_null() && *m != ctx,
+                "init",
+                "another communicator",
+                "a new context",
+                format_args!("{m:p}"),
             )?;
         }
+        for m in more {
+            // SAFETY: each context `init` returned, finalized once.
+            c.ok("finalize", "per context", unsafe { n.finalize(m) })?;
+        }
+    }
+    Ok(ctx)
+}
 
-        // Two connections: both forms of the device-handle argument.
-        let a = pair(n, c, ctx, true)?;
-        let b = pair(n, c, ctx, false)?;
+/// `devices`, then `getProperties` of each device and of two that do not
+/// exist. Returns the number of devices.
+///
+/// # Safety
+/// `n` was initialised ([`init`]).
+unsafe fn devices(n: &dyn Net, c: &mut Checks) -> Res<c_int> {
+    let mut nd = 0;
+    // SAFETY: a writable count.
+    c.ok("devices", "", unsafe { n.devices(&mut nd) })?;
+    c.that(nd >= 1, "devices", "", ">= 1", nd)?;
+    for d in 0..nd {
+        // SAFETY: `props` passes a struct of this version.
+        match unsafe { n.props(d) } {
+            Ok((pname, speed, recvs, rg)) => {
+                c.that(
+                    !pname.is_empty() && speed > 0 && recvs == 8,
+                    "getProperties",
+                    d,
+                    "name, speed > 0, maxRecvs 8",
+                    format_args!("{pname:?}, {speed}, {recvs}"),
+                )?;
+                if c.v >= 8 {
+                    c.that(rg == 1, "getProperties", d, "regIsGlobal 1", rg)?;
+                }
+            }
+            Err(r) => {
+                return Err(c.fail(
+                    "getProperties",
+                    d,
+                    "ncclSuccess",
+                    format_args!("result {r}"),
+                ))
+            }
+        }
+    }
+    for bad in [nd, -1] {
+        // SAFETY: as above.
+        let r = unsafe { n.props(bad) }.err();
+        c.that(
+            r == Some(3),
+            "getProperties",
+            bad,
+            "ncclInternalError (3) for a device that does not exist",
+            format_args!("{r:?}"),
+        )?;
+    }
+    Ok(nd)
+}
 
-        // Size sweep 0 B .. 64 MiB with content checks.
+/// The data steps' memory: a pattern of 64 MiB + 1 registered on the first
+/// pair's send comm, a receive buffer of 64 MiB + 64 on its receive comm.
+struct Mem {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+    smh: *mut c_void,
+    rmh: *mut c_void,
+    max: usize,
+}
+
+impl Mem {
+    /// # Safety
+    /// `a` is a live pair of `n`.
+    unsafe fn register(n: &dyn Net, c: &mut Checks, a: &Pair, version: u32) -> Res<Mem> {
         let max = 64usize << 20;
-        let src = pattern(version as u64, 5, max + 1);
-        let mut dst = vec![0u8; max + 64];
-        let (mut smh, mut rmh) = (null(), null());
-        c.ok(
-            "regMr",
-            format_args!("sendComm, {} bytes", src.len()),
-            n.reg_mr(a.s, src.as_ptr() as *mut c_void, src.len(), &mut smh),
-        )?;
-        c.ok(
-            "regMr",
-            format_args!("recvComm, {} bytes", dst.len()),
-            n.reg_mr(a.r, dst.as_mut_ptr().cast(), dst.len(), &mut rmh),
-        )?;
-        dmabuf_refused(n, c, a.r, &mut dst)?;
-        for size in [0usize, 1, 4095, 4096, 65536, 1 << 20, 16 << 20, max] {
+        let mut m = Mem {
+            src: pattern(version as u64, 5, max + 1),
+            dst: vec![0u8; max + 64],
+            smh: null(),
+            rmh: null(),
+            max,
+        };
+        // SAFETY: live comms; the buffers live in `m`, which the caller keeps
+        // until it deregisters them.
+        unsafe {
+            c.ok(
+                "regMr",
+                format_args!("sendComm, {} bytes", m.src.len()),
+                n.reg_mr(a.s, m.src.as_ptr() as *mut c_void, m.src.len(), &mut m.smh),
+            )?;
+            c.ok(
+                "regMr",
+                format_args!("recvComm, {} bytes", m.dst.len()),
+                n.reg_mr(a.r, m.dst.as_mut_ptr().cast(), m.dst.len(), &mut m.rmh),
+            )?;
+        }
+        Ok(m)
+    }
+}
+
+/// Sizes 0 B .. 64 MiB, each received into the whole buffer and its content
+/// checked, then `iflush` of the host buffer (a NULL request: done).
+///
+/// # Safety
+/// `a` is a live pair of `n` and `m`'s handles are registered on it.
+unsafe fn size_sweep(n: &dyn Net, c: &mut Checks, a: &Pair, m: &mut Mem) -> Res {
+    let max = m.max;
+    for size in [0usize, 1, 4095, 4096, 65536, 1 << 20, 16 << 20, max] {
+        // SAFETY: the buffers and handles of `m`, live through the wait.
+        let sizes = unsafe {
             let rq = irecv(
                 n,
                 c,
                 a.r,
-                &mut [dst.as_mut_ptr().cast()],
+                &mut [m.dst.as_mut_ptr().cast()],
                 &[max + 64],
                 &mut [5],
-                &mut [rmh],
+                &mut [m.rmh],
             )?;
-            let sq = isend(n, c, a.s, &src[..size], 5, smh)?;
-            let sizes = wait_all(n, c, &[sq, rq], false)?;
-            c.that(
-                sizes[0][0] as usize == size,
-                "test",
-                format_args!("send of {size} B"),
-                size,
-                sizes[0][0],
-            )?;
-            c.that(
-                sizes[1][0] as usize == size,
-                "test",
-                format_args!("receive of {size} B into {} B", max + 64),
-                size,
-                sizes[1][0],
-            )?;
-            c.that(
-                dst[..size] == src[..size],
-                "irecv",
-                format_args!("{size} B"),
-                "the bytes sent",
-                "different bytes",
-            )?;
-            // iflush on host memory: NULL request, which NCCL treats as done.
-            let mut fl = std::ptr::without_provenance_mut::<c_void>(0xbad);
-            c.ok(
-                "iflush",
-                "n=1, host memory",
-                n.iflush(
-                    a.r,
-                    &mut [dst.as_mut_ptr().cast()],
-                    &mut [sizes[1][0]],
-                    &mut [rmh],
-                    &mut fl,
-                ),
-            )?;
-            c.that(
-                fl.is_null(),
-                "iflush",
-                "host memory",
-                "a NULL request",
-                format_args!("{fl:p}"),
-            )?;
-        }
+            let sq = isend(n, c, a.s, &m.src[..size], 5, m.smh)?;
+            wait_all(n, c, &[sq, rq], false)?
+        };
+        c.that(
+            sizes[0][0] as usize == size,
+            "test",
+            format_args!("send of {size} B"),
+            size,
+            sizes[0][0],
+        )?;
+        c.that(
+            sizes[1][0] as usize == size,
+            "test",
+            format_args!("receive of {size} B into {} B", max + 64),
+            size,
+            sizes[1][0],
+        )?;
+        c.that(
+            m.dst[..size] == m.src[..size],
+            "irecv",
+            format_args!("{size} B"),
+            "the bytes sent",
+            "different bytes",
+        )?;
+        // iflush on host memory: NULL request, which NCCL treats as done.
+        let mut fl = std::ptr::without_provenance_mut::<c_void>(0xbad);
+        // SAFETY: the received buffer and its handle; `fl` is writable.
+        let r = unsafe {
+            n.iflush(
+                a.r,
+                &mut [m.dst.as_mut_ptr().cast()],
+                &mut [sizes[1][0]],
+                &mut [m.rmh],
+                &mut fl,
+            )
+        };
+        c.ok("iflush", "n=1, host memory", r)?;
+        c.that(
+            fl.is_null(),
+            "iflush",
+            "host memory",
+            "a NULL request",
+            format_args!("{fl:p}"),
+        )?;
+    }
+    Ok(())
+}
 
-        // regIsGlobal: a handle registered on one comm serves another comm of the device.
-        let mut bmh = null();
-        let mut bdst = vec![0u8; 4096];
+/// A buffer with its registration, kept until NCCL would deregister it.
+struct Reg {
+    _buf: Vec<u8>,
+    mh: *mut c_void,
+}
+
+/// regIsGlobal: a handle registered on one comm serves another comm of the
+/// device (the second pair sends with the first pair's send handle).
+/// Returns the buffer registered on `b`'s receive comm.
+///
+/// # Safety
+/// `b` is a live pair of `n`; `m.smh` is live.
+unsafe fn reg_is_global(n: &dyn Net, c: &mut Checks, b: &Pair, m: &Mem) -> Res<Reg> {
+    let mut bmh = null();
+    let mut bdst = vec![0u8; 4096];
+    // SAFETY: `bdst` lives until the caller deregisters it (in the `Reg`).
+    unsafe {
         c.ok(
             "regMr",
             "second recvComm",
@@ -469,21 +628,36 @@ pub fn cell(version: u32, provider: &str, peer: &Path) -> Res<usize> {
             &mut [6],
             &mut [bmh],
         )?;
-        let sq = isend(n, c, b.s, &src[..4096], 6, smh)?;
+        let sq = isend(n, c, b.s, &m.src[..4096], 6, m.smh)?;
         wait_all(n, c, &[sq, rq], false)?;
-        c.that(
-            bdst[..] == src[..4096],
-            "isend",
-            "mhandle from another comm (regIsGlobal)",
-            "the bytes sent",
-            "different bytes",
-        )?;
+    }
+    c.that(
+        bdst[..] == m.src[..4096],
+        "isend",
+        "mhandle from another comm (regIsGlobal)",
+        "the bytes sent",
+        "different bytes",
+    )?;
+    Ok(Reg {
+        _buf: bdst,
+        mh: bmh,
+    })
+}
 
-        // Windows: 32 grouped receives (n = maxRecvs) on the recvComm, 32 x 8
-        // sends on the sendComm, all in flight, tested in reverse order.
-        let slot = 256usize;
-        let mut wbuf = vec![0u8; 32 * 8 * slot];
-        let mut wmh = null();
+/// Windows: 32 grouped receives (n = maxRecvs) on the receive comm, 32 x 8
+/// sends on the send comm, all in flight, tested in reverse order; each
+/// buffer gets its tag's message, FIFO. Returns the window buffers.
+///
+/// # Safety
+/// `a` is a live pair of `n`; `m.smh` is live.
+unsafe fn windows(n: &dyn Net, c: &mut Checks, a: &Pair, m: &Mem) -> Res<Reg> {
+    let slot = 256usize;
+    let mut wbuf = vec![0u8; 32 * 8 * slot];
+    let mut wmh = null();
+    let src = &m.src;
+    // SAFETY: `wbuf` lives until the caller deregisters it (in the `Reg`);
+    // every request is waited for before the buffers are read.
+    let sizes = unsafe {
         c.ok(
             "regMr",
             "window buffers",
@@ -515,138 +689,117 @@ pub fn cell(version: u32, provider: &str, peer: &Path) -> Res<usize> {
                     a.s,
                     &src[off..off + 100 + k],
                     200 + k as c_int,
-                    smh,
+                    m.smh,
                     &mut rreqs,
                 )?);
             }
         }
         wait_all(n, c, &sreqs, true)?;
-        let sizes = rreqs.wait(n, c)?;
-        for w in 0..32usize {
-            for k in 0..8usize {
-                let got = &wbuf[(w * 8 + k) * slot..(w * 8 + k) * slot + 100 + k];
-                let off = (w * 8 + k) * 7;
-                c.that(
-                    sizes[w][k] as usize == 100 + k && got == &src[off..off + 100 + k],
-                    "irecv",
-                    format_args!("window {w}, buffer {k}, tag {}", 200 + k),
-                    "its tag's message, FIFO",
-                    format_args!("size {}", sizes[w][k]),
-                )?;
-            }
-        }
-
-        // Truncation: an error from test(), where the provider reports it.
-        if provider.starts_with("tcp") || provider == "shm" {
-            let mut small = vec![0x5Au8; 200];
-            let mut tmh = null();
-            c.ok(
-                "regMr",
-                "truncation buffer",
-                n.reg_mr(a.r, small.as_mut_ptr().cast(), small.len(), &mut tmh),
-            )?;
-            let rq = irecv(
-                n,
-                c,
-                a.r,
-                &mut [small.as_mut_ptr().cast()],
-                &[100],
-                &mut [9],
-                &mut [tmh],
-            )?;
-            // SENDRECV reports it at the receiver only; rdma learns the
-            // receiver's size first, so isend itself fails too.
-            let mut sq = null();
-            let mut sent = 0;
-            until("isend of a truncated message", || {
-                sent = n.isend(a.s, src.as_ptr() as *mut c_void, 150, 9, smh, &mut sq);
-                Ok(sent != 0 || !sq.is_null())
-            })?;
+        rreqs.wait(n, c)?
+    };
+    for w in 0..32usize {
+        for k in 0..8usize {
+            let got = &wbuf[(w * 8 + k) * slot..(w * 8 + k) * slot + 100 + k];
+            let off = (w * 8 + k) * 7;
             c.that(
-                sent == 0 || sent == 3,
-                "isend",
-                "150 B for a 100 B receive",
-                "ncclSuccess, or ncclInternalError (3)",
-                format_args!("result {sent}"),
-            )?;
-            let mut got = 0;
-            until("truncated receive", || {
-                let (mut d1, mut d2) = (0, 0);
-                let mut sz = [0 as c_int; 64];
-                if !sq.is_null() {
-                    let _ = n.test(sq, &mut d1, sz.as_mut_ptr());
-                }
-                got = n.test(rq, &mut d2, sz.as_mut_ptr());
-                Ok(got != 0 || d2 == 1)
-            })?;
-            c.that(
-                got == 3,
-                "test",
-                "150 B into a 100 B receive",
-                "ncclInternalError (3)",
-                format_args!("result {got}"),
-            )?;
-            c.that(
-                small[100..].iter().all(|&x| x == 0x5A),
+                sizes[w][k] as usize == 100 + k && got == &src[off..off + 100 + k],
                 "irecv",
-                "truncated",
-                "nothing written past the buffer",
-                "bytes past the buffer",
+                format_args!("window {w}, buffer {k}, tag {}", 200 + k),
+                "its tag's message, FIFO",
+                format_args!("size {}", sizes[w][k]),
             )?;
-            c.ok("deregMr", "truncation buffer", n.dereg_mr(a.r, tmh))?;
-        }
-
-        // NCCL deregisters, then closes.
-        for (comm, mh) in [(a.s, smh), (a.r, rmh), (b.r, bmh), (a.r, wmh)] {
-            c.ok("deregMr", "", n.dereg_mr(comm, mh))?;
-        }
-        c.ok("closeSend", "", n.close_send(a.s))?;
-        c.ok("closeSend", "", n.close_send(b.s))?;
-        c.ok("closeRecv", "", n.close_recv(a.r))?;
-        c.ok("closeRecv", "", n.close_recv(b.r))?;
-
-        // NCCL's threads: a service thread opens, registers and closes comms
-        // while two progress threads move data on comms of their own.
-        c.n += threads(n, ctx, version, provider)?;
-
-        // A corrupted handle: an error, no crash, no hang.
-        let mut bad = [0x42u8; 128];
-        let mut sc = null();
-        let r = n.connect(ctx, 0, bad.as_mut_ptr().cast(), &mut sc, true);
-        c.that(
-            r == 3 && sc.is_null(),
-            "connect",
-            "corrupted handle",
-            "ncclInternalError (3) and no comm",
-            format_args!("result {r}"),
-        )?;
-
-        // Two processes: the peer receives 16 x 1 MiB through the same table.
-        let moved = two_process(n, c, ctx, version, provider, peer)?;
-        c.that(
-            moved == 16 << 20,
-            "isend",
-            "to another process",
-            "16 MiB verified by the peer",
-            moved,
-        )?;
-        // NIC fusion (v9+).
-        if version >= 9 {
-            vdev(n, c, ctx, nd)?;
-        } else {
-            c.that(
-                n.make_vdevice(1, &[0]).is_none(),
-                "makeVDevice",
-                "",
-                "no such member before v9",
-                "one",
-            )?;
-        }
-        if version >= 11 {
-            c.ok("finalize", "last context", n.finalize(ctx))?;
         }
     }
-    Ok(c.n)
+    Ok(Reg {
+        _buf: wbuf,
+        mh: wmh,
+    })
+}
+
+/// Truncation: 150 B into a 100 B receive is an error from `test()` (and,
+/// under rdma, which learns the receiver's size first, from `isend`), and
+/// nothing is written past the buffer. Only where the provider reports it.
+///
+/// # Safety
+/// `a` is a live pair of `n`; `m.smh` is live.
+unsafe fn truncation(n: &dyn Net, c: &mut Checks, a: &Pair, m: &Mem) -> Res {
+    let mut small = vec![0x5Au8; 200];
+    let mut tmh = null();
+    // SAFETY: `small` outlives the receive and is deregistered here.
+    unsafe {
+        c.ok(
+            "regMr",
+            "truncation buffer",
+            n.reg_mr(a.r, small.as_mut_ptr().cast(), small.len(), &mut tmh),
+        )?;
+        let rq = irecv(
+            n,
+            c,
+            a.r,
+            &mut [small.as_mut_ptr().cast()],
+            &[100],
+            &mut [9],
+            &mut [tmh],
+        )?;
+        // SENDRECV reports it at the receiver only; rdma learns the
+        // receiver's size first, so isend itself fails too.
+        let mut sq = null();
+        let mut sent = 0;
+        until("isend of a truncated message", || {
+            sent = n.isend(a.s, m.src.as_ptr() as *mut c_void, 150, 9, m.smh, &mut sq);
+            Ok(sent != 0 || !sq.is_null())
+        })?;
+        c.that(
+            sent == 0 || sent == 3,
+            "isend",
+            "150 B for a 100 B receive",
+            "ncclSuccess, or ncclInternalError (3)",
+            format_args!("result {sent}"),
+        )?;
+        let mut got = 0;
+        until("truncated receive", || {
+            let (mut d1, mut d2) = (0, 0);
+            let mut sz = [0 as c_int; 64];
+            if !sq.is_null() {
+                let _ = n.test(sq, &mut d1, sz.as_mut_ptr());
+            }
+            got = n.test(rq, &mut d2, sz.as_mut_ptr());
+            Ok(got != 0 || d2 == 1)
+        })?;
+        c.that(
+            got == 3,
+            "test",
+            "150 B into a 100 B receive",
+            "ncclInternalError (3)",
+            format_args!("result {got}"),
+        )?;
+        c.that(
+            small[100..].iter().all(|&x| x == 0x5A),
+            "irecv",
+            "truncated",
+            "nothing written past the buffer",
+            "bytes past the buffer",
+        )?;
+        c.ok("deregMr", "truncation buffer", n.dereg_mr(a.r, tmh))
+    }
+}
+
+/// A corrupted handle: an error and no comm, no crash, no hang.
+///
+/// # Safety
+/// `ctx` is `n`'s live context.
+unsafe fn corrupted_handle(n: &dyn Net, c: &mut Checks, ctx: *mut c_void) -> Res {
+    let mut bad = [0x42u8; 128];
+    let mut sc = null();
+    // SAFETY: a 128-byte handle buffer and a writable comm slot.
+    let r = unsafe { n.connect(ctx, 0, bad.as_mut_ptr().cast(), &mut sc, true) };
+    c.that(
+        r == 3 && sc.is_null(),
+        "connect",
+        "corrupted handle",
+        "ncclInternalError (3) and no comm",
+        format_args!("result {r}"),
+    )
 }
 
 /// `regMrDmaBuf` (v6+ tables serve it): on a device that did not claim
