@@ -34,7 +34,10 @@
 //! rail that does not exist breaks the comm with a message saying so. A
 //! message larger than the receive buffer is cut to the buffer's size per
 //! part, so the members report the truncation on both sides and nothing is
-//! written past the buffer; the receive fails saying both sizes. When one
+//! written past the buffer; the receive fails saying both sizes. A rail
+//! whose peer closed (its `Bye` came and all it sent there was matched) has
+//! not failed: the other rails may still hold what the peer sent before, and
+//! only a request that needs the closed rail fails. When one
 //! rail fails (its peer went silent, its link went down) the comm fails as a
 //! whole: that request and every later one (the parts on the other rails
 //! keep NCCL's buffers until the comm is closed, as any comm closed with
@@ -137,10 +140,17 @@ fn broken(failed: &mut Option<Error>, e: Error) -> Error {
 
 /// An error naming the first rail whose peer was declared dead: a comm on
 /// a virtual device fails as a whole when one rail does, whether or not
-/// that rail had anything in flight.
+/// that rail had anything in flight. A rail whose peer closed its comm
+/// (`Kind::PeerClosed`: it said `Bye` and everything it sent there was
+/// matched) has not failed: the other rails may still hold what the peer
+/// sent before its close, and a request that needs the closed rail fails
+/// through it (it takes no receive the peer's messages cannot fill).
 fn rails_alive<C: Comm + ?Sized>(rails: &[Arc<C>]) -> Result<()> {
     for (r, rail) in rails.iter().enumerate() {
-        rail.alive().map_err(on_rail(r))?;
+        match rail.alive() {
+            Err(e) if e.kind != Kind::PeerClosed => return Err(on_rail(r)(e)),
+            _ => {}
+        }
     }
     Ok(())
 }
