@@ -225,3 +225,42 @@ fn collnet_bench_prints_its_table() {
         assert_eq!(rows, 2, "{alg}: {stdout}");
     }
 }
+
+/// A reducer or a rank of the CollNet bench that fails ends the bench at
+/// once with its error (the others used to wait for it for ever: for the
+/// reducer's handle on a channel the bench itself still fed, or at a
+/// barrier).
+#[test]
+fn collnet_bench_fails_at_once_when_a_thread_fails() {
+    weft_tests::isolated!();
+    for who in ["reducer", "rank"] {
+        let child = Command::new(env!("CARGO_BIN_EXE_weft-collbench"))
+            .args(["--quick", "--providers", "shm", "--reps", "1"])
+            .env("WEFT_COLLBENCH_FAIL", who)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run weft-collbench");
+        // Killed if the wait times out (the hang this test is about).
+        struct Reap(std::process::Child);
+        impl Drop for Reap {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let mut child = Reap(child);
+        let status =
+            weft_tests::poll_until(&format!("weft-collbench with a failing {who}"), || {
+                child.0.try_wait().expect("wait")
+            });
+        let mut child = child.0.stderr.take();
+        let mut err = String::new();
+        std::io::Read::read_to_string(child.as_mut().unwrap(), &mut err).unwrap();
+        assert!(!status.success(), "{who}: {status}\n{err}");
+        assert!(
+            err.contains(&format!("failed on purpose (WEFT_COLLBENCH_FAIL={who})")),
+            "{who}: the error is not the failing thread's:\n{err}"
+        );
+    }
+}

@@ -148,6 +148,16 @@ enum Alg {
 /// received) per operation at rank 0.
 type Row = (usize, Alg, f64, (u64, u64));
 
+/// Runs one thread's body; a failure ends the whole process at once with
+/// that error (the other threads would wait for it for ever, at a barrier
+/// or for a reducer's handle).
+fn fail_fast(who: &str, body: impl FnOnce() -> Res<()>) -> Res<()> {
+    body().inspect_err(|e| {
+        eprintln!("weft-collbench: {who} failed: {e}");
+        std::process::exit(1);
+    })
+}
+
 /// One provider: `n` ranks and `m` reducers as threads.
 fn one(provider: &'static str, n: usize, m: usize, sizes: Vec<usize>, reps: usize) -> Res<()> {
     let algs: Vec<Alg> = if m > 0 {
@@ -156,24 +166,35 @@ fn one(provider: &'static str, n: usize, m: usize, sizes: Vec<usize>, reps: usiz
         vec![Alg::InPlugin, Alg::Ring]
     };
     let stop = Arc::new(AtomicBool::new(false));
+    let fail = std::env::var("WEFT_COLLBENCH_FAIL").unwrap_or_default();
     let (tx, rx) = std::sync::mpsc::channel();
     let reducers: Vec<_> = (0..m)
         .map(|k| {
-            let (stop, tx) = (Arc::clone(&stop), tx.clone());
-            std::thread::spawn(move || -> Res<()> {
-                let e = |e: weft::error::Error| e.to_string();
-                let ctx = host::init(provider);
-                let mut r = Reducer::new(ctx, 0).map_err(e)?;
-                tx.send((k, r.handle())).map_err(|e| e.to_string())?;
-                r.run(|_| stop.load(Ordering::Relaxed));
-                drop(r);
-                core::finalize(ctx).map_err(e)
+            let (stop, tx, fail) = (Arc::clone(&stop), tx.clone(), fail.clone());
+            std::thread::spawn(move || {
+                fail_fast(&format!("reducer {k}"), || {
+                    let e = |e: weft::error::Error| e.to_string();
+                    if fail == "reducer" {
+                        return Err("failed on purpose (WEFT_COLLBENCH_FAIL=reducer)".into());
+                    }
+                    let ctx = host::init(provider);
+                    let mut r = Reducer::new(ctx, 0).map_err(e)?;
+                    tx.send((k, r.handle())).map_err(|e| e.to_string())?;
+                    r.run(|_| stop.load(Ordering::Relaxed));
+                    drop(r);
+                    core::finalize(ctx).map_err(e)
+                })
             })
         })
         .collect();
+    // Only the reducers hold senders now: a reducer that ends without its
+    // handle ends the wait (and `fail_fast` ends the process first).
+    drop(tx);
     let mut red_h = vec![[0u8; HANDLE_SIZE]; m];
     for _ in 0..m {
-        let (k, h) = rx.recv().map_err(|e| e.to_string())?;
+        let (k, h) = rx
+            .recv()
+            .map_err(|_| "a reducer ended before it gave its handle".to_owned())?;
         red_h[k] = h;
     }
     let red_h = Arc::new(red_h);
@@ -194,111 +215,117 @@ fn one(provider: &'static str, n: usize, m: usize, sizes: Vec<usize>, reps: usiz
                 sizes.clone(),
                 algs.clone(),
             );
-            std::thread::spawn(move || -> Res<()> {
-                let e = |e: weft::error::Error| e.to_string();
-                let ctx = host::init(provider);
-                let mut h = [0u8; HANDLE_SIZE];
-                let cl = collnet::listen(ctx, 0, &mut h).map_err(e)?;
-                coll_h.lock().unwrap()[rank] = h;
-                let sl = collnet::listen(ctx, 0, &mut h).map_err(e)?;
-                served_h.lock().unwrap()[rank] = h;
-                let (rh, rl) = host::listen(ctx);
-                ring_h.lock().unwrap()[rank] = rh;
-                barrier.wait();
-                let hs = coll_h.lock().unwrap().clone();
-                let g = collnet::connect_with(&hs, rank, cl, &[]).map_err(e)?;
-                collnet::close_listen(cl).map_err(e)?;
-                let gs = if m > 0 {
-                    let hs = served_h.lock().unwrap().clone();
-                    Some(collnet::connect_with(&hs, rank, sl, &red_h).map_err(e)?)
-                } else {
-                    None
-                };
-                collnet::close_listen(sl).map_err(e)?;
-                let mut next = ring_h.lock().unwrap()[(rank + 1) % n];
-                // The ring: connect to the next rank while accepting from the previous.
-                let (mut s, mut r) = (None, None);
-                while s.is_none() || r.is_none() {
-                    if s.is_none() {
-                        s = core::connect(ctx, 0, None, &mut next).map_err(e)?;
+            let fail = fail.clone();
+            std::thread::spawn(move || {
+                fail_fast(&format!("rank {rank}"), || {
+                    let e = |e: weft::error::Error| e.to_string();
+                    if fail == "rank" && rank == n - 1 {
+                        return Err("failed on purpose (WEFT_COLLBENCH_FAIL=rank)".into());
                     }
-                    if r.is_none() {
-                        r = core::accept(rl).map_err(e)?;
-                    }
-                }
-                core::close_listen(rl).map_err(e)?;
-                let ring = Ring {
-                    rank,
-                    n,
-                    send: s.unwrap() as usize,
-                    recv: r.unwrap() as usize,
-                };
-                for &size in &sizes {
-                    let count = size / 4;
-                    let mut buf: Vec<f32> = (0..count).map(|i| (i % 100) as f32).collect();
-                    let mut tmp = vec![0u8; size / n + 8];
-                    let ptr: *mut c_void = buf.as_mut_ptr().cast();
-                    let cmh = collnet::reg_mr(g, ptr, size, 1).map_err(e)?;
-                    let smh = match gs {
-                        Some(gs) => collnet::reg_mr(gs, ptr, size, 1).map_err(e)?,
-                        None => std::ptr::null_mut(),
+                    let ctx = host::init(provider);
+                    let mut h = [0u8; HANDLE_SIZE];
+                    let cl = collnet::listen(ctx, 0, &mut h).map_err(e)?;
+                    coll_h.lock().unwrap()[rank] = h;
+                    let sl = collnet::listen(ctx, 0, &mut h).map_err(e)?;
+                    served_h.lock().unwrap()[rank] = h;
+                    let (rh, rl) = host::listen(ctx);
+                    ring_h.lock().unwrap()[rank] = rh;
+                    barrier.wait();
+                    let hs = coll_h.lock().unwrap().clone();
+                    let g = collnet::connect_with(&hs, rank, cl, &[]).map_err(e)?;
+                    collnet::close_listen(cl).map_err(e)?;
+                    let gs = if m > 0 {
+                        let hs = served_h.lock().unwrap().clone();
+                        Some(collnet::connect_with(&hs, rank, sl, &red_h).map_err(e)?)
+                    } else {
+                        None
                     };
-                    let rmh = core::reg_mr(p(ring.send), ptr, size, 1).map_err(e)? as usize;
-                    let tmh = core::reg_mr(p(ring.send), tmp.as_mut_ptr().cast(), tmp.len(), 1)
-                        .map_err(e)? as usize;
-                    let mut times = vec![Vec::new(); algs.len()];
-                    let mut bytes = vec![(0, 0); algs.len()];
-                    for rep in 0..reps {
-                        // Each algorithm first in turn, so none always follows the same one.
-                        for i in (0..algs.len()).map(|i| (i + rep) % algs.len()) {
-                            barrier.wait();
-                            let t0 = Instant::now();
-                            let (group, mh) = match algs[i] {
-                                Alg::InPlugin => (g, cmh),
-                                Alg::Reducers => (gs.expect("reducers"), smh),
-                                Alg::Ring => {
-                                    bytes[i] = ring.allreduce(&mut buf, rmh, &mut tmp, tmh)?;
-                                    times[i].push(t0.elapsed().as_secs_f64());
-                                    continue;
+                    collnet::close_listen(sl).map_err(e)?;
+                    let mut next = ring_h.lock().unwrap()[(rank + 1) % n];
+                    // The ring: connect to the next rank while accepting from the previous.
+                    let (mut s, mut r) = (None, None);
+                    while s.is_none() || r.is_none() {
+                        if s.is_none() {
+                            s = core::connect(ctx, 0, None, &mut next).map_err(e)?;
+                        }
+                        if r.is_none() {
+                            r = core::accept(rl).map_err(e)?;
+                        }
+                    }
+                    core::close_listen(rl).map_err(e)?;
+                    let ring = Ring {
+                        rank,
+                        n,
+                        send: s.unwrap() as usize,
+                        recv: r.unwrap() as usize,
+                    };
+                    for &size in &sizes {
+                        let count = size / 4;
+                        let mut buf: Vec<f32> = (0..count).map(|i| (i % 100) as f32).collect();
+                        let mut tmp = vec![0u8; size / n + 8];
+                        let ptr: *mut c_void = buf.as_mut_ptr().cast();
+                        let cmh = collnet::reg_mr(g, ptr, size, 1).map_err(e)?;
+                        let smh = match gs {
+                            Some(gs) => collnet::reg_mr(gs, ptr, size, 1).map_err(e)?,
+                            None => std::ptr::null_mut(),
+                        };
+                        let rmh = core::reg_mr(p(ring.send), ptr, size, 1).map_err(e)? as usize;
+                        let tmh = core::reg_mr(p(ring.send), tmp.as_mut_ptr().cast(), tmp.len(), 1)
+                            .map_err(e)? as usize;
+                        let mut times = vec![Vec::new(); algs.len()];
+                        let mut bytes = vec![(0, 0); algs.len()];
+                        for rep in 0..reps {
+                            // Each algorithm first in turn, so none always follows the same one.
+                            for i in (0..algs.len()).map(|i| (i + rep) % algs.len()) {
+                                barrier.wait();
+                                let t0 = Instant::now();
+                                let (group, mh) = match algs[i] {
+                                    Alg::InPlugin => (g, cmh),
+                                    Alg::Reducers => (gs.expect("reducers"), smh),
+                                    Alg::Ring => {
+                                        bytes[i] = ring.allreduce(&mut buf, rmh, &mut tmp, tmh)?;
+                                        times[i].push(t0.elapsed().as_secs_f64());
+                                        continue;
+                                    }
+                                };
+                                let before = collnet::bytes_moved(group).map_err(e)?;
+                                // SAFETY: registered, in place, outlives the request.
+                                let q = unsafe {
+                                    collnet::iallreduce(group, ptr, ptr, count, 7, 0, mh, mh)
                                 }
-                            };
-                            let before = collnet::bytes_moved(group).map_err(e)?;
-                            // SAFETY: registered, in place, outlives the request.
-                            let q = unsafe {
-                                collnet::iallreduce(group, ptr, ptr, count, 7, 0, mh, mh)
+                                .map_err(e)?;
+                                while collnet::test(q).map_err(e)?.is_none() {
+                                    std::thread::yield_now();
+                                }
+                                times[i].push(t0.elapsed().as_secs_f64());
+                                let after = collnet::bytes_moved(group).map_err(e)?;
+                                bytes[i] = (after.0 - before.0, after.1 - before.1);
                             }
-                            .map_err(e)?;
-                            while collnet::test(q).map_err(e)?.is_none() {
-                                std::thread::yield_now();
+                        }
+                        barrier.wait();
+                        collnet::dereg_mr(cmh).map_err(e)?;
+                        if !smh.is_null() {
+                            collnet::dereg_mr(smh).map_err(e)?;
+                        }
+                        core::dereg_mr(std::ptr::null_mut(), p(rmh)).map_err(e)?;
+                        core::dereg_mr(std::ptr::null_mut(), p(tmh)).map_err(e)?;
+                        if rank == 0 {
+                            let mut rows = rows.lock().unwrap();
+                            for (i, &alg) in algs.iter().enumerate() {
+                                rows.push((size, alg, median(&mut times[i]), bytes[i]));
                             }
-                            times[i].push(t0.elapsed().as_secs_f64());
-                            let after = collnet::bytes_moved(group).map_err(e)?;
-                            bytes[i] = (after.0 - before.0, after.1 - before.1);
                         }
                     }
                     barrier.wait();
-                    collnet::dereg_mr(cmh).map_err(e)?;
-                    if !smh.is_null() {
-                        collnet::dereg_mr(smh).map_err(e)?;
+                    collnet::close_coll(g).map_err(e)?;
+                    if let Some(gs) = gs {
+                        collnet::close_coll(gs).map_err(e)?;
                     }
-                    core::dereg_mr(std::ptr::null_mut(), p(rmh)).map_err(e)?;
-                    core::dereg_mr(std::ptr::null_mut(), p(tmh)).map_err(e)?;
-                    if rank == 0 {
-                        let mut rows = rows.lock().unwrap();
-                        for (i, &alg) in algs.iter().enumerate() {
-                            rows.push((size, alg, median(&mut times[i]), bytes[i]));
-                        }
-                    }
-                }
-                barrier.wait();
-                collnet::close_coll(g).map_err(e)?;
-                if let Some(gs) = gs {
-                    collnet::close_coll(gs).map_err(e)?;
-                }
-                core::close_send(p(ring.send)).map_err(e)?;
-                core::close_recv(p(ring.recv)).map_err(e)?;
-                core::finalize(ctx).map_err(e)?;
-                Ok(())
+                    core::close_send(p(ring.send)).map_err(e)?;
+                    core::close_recv(p(ring.recv)).map_err(e)?;
+                    core::finalize(ctx).map_err(e)?;
+                    Ok(())
+                })
             })
         })
         .collect();
@@ -344,6 +371,12 @@ fn one(provider: &'static str, n: usize, m: usize, sizes: Vec<usize>, reps: usiz
 }
 
 fn main() {
+    // A panicking thread ends the process too (see `fail_fast`).
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        hook(info);
+        std::process::exit(101);
+    }));
     let mut providers = vec!["shm".to_owned(), "tcp".to_owned()];
     let mut ranks = 2usize;
     let mut reducers = 1usize;
