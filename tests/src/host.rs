@@ -234,6 +234,16 @@ pub fn isend_raw(
     unsafe { core::isend(comm, data, size, tag, mh, phandle) }
 }
 
+/// Posts with `post` until it gives a request (or fails), then tests that
+/// until it ends: what became of it.
+pub fn end_of(
+    what: &str,
+    mut post: impl FnMut() -> weft::core::Result<Option<*mut c_void>>,
+) -> weft::core::Result<Done> {
+    let q = poll_until(what, || post().transpose())?;
+    poll_until(what, || core::test(q).transpose())
+}
+
 /// [`core::irecv`] with the tests' contract (see [`isend_raw`]).
 #[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn irecv_raw(comm: *mut c_void, args: &[RecvArg]) -> weft::core::Result<Option<*mut c_void>> {

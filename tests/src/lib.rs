@@ -91,6 +91,35 @@ pub fn status_kb(field: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Every `.rs` file of the plugin crate, sorted: its path relative to
+/// `plugin/src` and its text (what the source checks, `layers.rs` and
+/// `unsafe_code.rs`, read).
+pub fn plugin_sources() -> Vec<(std::path::PathBuf, String)> {
+    fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).expect("plugin/src") {
+            let p = e.expect("a directory entry").path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugin/src");
+    let mut all = Vec::new();
+    walk(&root, &mut all);
+    all.sort();
+    all.into_iter()
+        .map(|p| {
+            let text = std::fs::read_to_string(&p).expect("a source file");
+            (
+                p.strip_prefix(&root).expect("under plugin/src").to_owned(),
+                text,
+            )
+        })
+        .collect()
+}
+
 /// `/proc/loadavg`, for timeout messages.
 pub fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")

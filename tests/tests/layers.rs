@@ -21,7 +21,7 @@
 //! sit above everything.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use syn::visit::Visit;
 
@@ -39,22 +39,6 @@ const LAYERS: &[&[&str]] = &[
 
 fn layer(module: &str) -> Option<usize> {
     LAYERS.iter().position(|l| l.contains(&module))
-}
-
-fn src() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugin/src")
-}
-
-/// Every `.rs` file under `dir`.
-fn files(dir: &Path, out: &mut Vec<PathBuf>) {
-    for e in std::fs::read_dir(dir).expect("plugin/src") {
-        let p = e.expect("a directory entry").path();
-        if p.is_dir() {
-            files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
 }
 
 /// The module path of a source file: `proto/comms/mod.rs` is
@@ -166,14 +150,10 @@ impl<'ast> Visit<'ast> for Paths {
 #[test]
 fn no_import_runs_against_the_layers() {
     weft_tests::isolated!();
-    let root = src();
-    let mut all = Vec::new();
-    files(&root, &mut all);
-    all.sort();
     let mut bad: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let mut unknown = Vec::new();
-    for path in &all {
-        let rel = path.strip_prefix(&root).expect("under plugin/src");
+    for (rel, text) in &weft_tests::plugin_sources() {
+        let rel = rel.as_path();
         let here = module_of(rel);
         let Some(top) = here.first().cloned() else {
             continue;
@@ -185,8 +165,7 @@ fn no_import_runs_against_the_layers() {
             unknown.push(rel.display().to_string());
             continue;
         };
-        let text = std::fs::read_to_string(path).expect("a source file");
-        let file = syn::parse_file(&text).unwrap_or_else(|e| panic!("{}: {e}", rel.display()));
+        let file = syn::parse_file(text).unwrap_or_else(|e| panic!("{}: {e}", rel.display()));
         let mut v = Paths {
             here: here.clone(),
             found: Vec::new(),

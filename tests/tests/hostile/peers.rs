@@ -39,16 +39,6 @@ fn next_rtr(f: &Forger, mut progress: impl FnMut()) -> (u8, weft::proto::wire::R
     })
 }
 
-/// Posts with `post` until it gives a request (or fails), then tests that
-/// until it ends: what became of it.
-fn end_of(
-    what: &str,
-    mut post: impl FnMut() -> core::Result<Option<*mut c_void>>,
-) -> core::Result<core::Done> {
-    let q = poll_until(what, || post().transpose())?;
-    poll_until(what, || core::test(q).transpose())
-}
-
 /// A buffer of three pages, page aligned, filled with `fill`.
 fn pages(fill: u8) -> (Vec<u8>, usize) {
     let page = 4096;
