@@ -4,5 +4,7 @@
 //! speak Weft's wire format. Nothing here is reachable through the exported
 //! C tables.
 
+#![forbid(unsafe_code)]
+
 pub use crate::core::hooks::{endpoint_open, hold_comm, virt_addr, wire_id};
 pub use crate::proto::ctrl::{frame, unframe, CTRL_HEAD};

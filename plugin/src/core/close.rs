@@ -1,5 +1,7 @@
 //! Closing comms: each close drops its comm in the calling thread once it holds the last reference.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 /// `closeSend`.

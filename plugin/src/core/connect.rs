@@ -1,5 +1,7 @@
 //! `listen`, `connect` and `accept`: the handle, the connect stage, protocol and device-shape checks.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 /// `listen(ctx, dev, handle)`: never blocks. On a virtual device, one

@@ -1,5 +1,7 @@
 //! NCCL's device numbering: physical devices, virtual devices (`makeVDevice`), their properties and counters.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 /// `devices()`: the physical devices, then the virtual ones.

@@ -2,6 +2,8 @@
 //! `crate::testing`): what the tests ask of a comm or a device that NCCL
 //! never asks.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 /// Whether device `dev` addresses remote registrations by virtual address

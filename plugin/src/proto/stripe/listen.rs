@@ -1,5 +1,7 @@
 //! Listening on a virtual device: one listener per rail, accepted rail by rail.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 pub(super) struct ListenState {
