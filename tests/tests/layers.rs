@@ -234,3 +234,71 @@ fn the_check_finds_an_edge_up() {
     // super::super from proto::comms is the crate root: collnet.
     assert!(tops.contains(&"collnet"), "{tops:?}");
 }
+
+/// The core's entry points that take and give NCCL's tokens (pointers
+/// standing for comms, memory handles and requests).
+const TOKEN_CALLS: &[&str] = &[
+    "listen",
+    "connect",
+    "accept",
+    "isend",
+    "irecv",
+    "iflush",
+    "test",
+    "reg_mr",
+    "reg_mr_dma_buf",
+    "dereg_mr",
+    "close_send",
+    "close_recv",
+    "close_listen",
+];
+
+/// Paths `core::<token call>` a file names.
+#[derive(Default)]
+struct TokenCalls(Vec<String>);
+
+impl<'ast> Visit<'ast> for TokenCalls {
+    fn visit_path(&mut self, p: &'ast syn::Path) {
+        let segs: Vec<String> = p.segments.iter().map(|s| s.ident.to_string()).collect();
+        if segs
+            .windows(2)
+            .any(|w| w[0] == "core" && TOKEN_CALLS.contains(&w[1].as_str()))
+        {
+            self.0.push(segs.join("::"));
+        }
+        syn::visit::visit_path(self, p);
+    }
+}
+
+fn token_calls(text: &str) -> Vec<String> {
+    let file = syn::parse_file(text).expect("a source file");
+    let mut v = TokenCalls::default();
+    v.visit_file(&file);
+    v.0
+}
+
+/// Tokens are for NCCL: CollNet and the reduction server drive the core
+/// through its typed API (`core::SendComm`, `MemHandle`, `Request`, …),
+/// never through the entry points that take NCCL's tokens.
+#[test]
+fn collnet_drives_the_core_without_tokens() {
+    weft_tests::isolated!();
+    let found: Vec<String> = weft_tests::plugin_sources()
+        .iter()
+        .filter(|(rel, _)| rel.starts_with("collnet"))
+        .flat_map(|(rel, text)| {
+            token_calls(text)
+                .into_iter()
+                .map(move |c| format!("{}: {c}", rel.display()))
+        })
+        .collect();
+    assert!(
+        found.is_empty(),
+        "CollNet calls the core's token entry points: {found:?}"
+    );
+    // The check can fail: the calls CollNet made before the typed API.
+    assert_eq!(
+        token_calls("fn f() { core::test(p(q)); let _ = crate::core::reg_mr(a, b, c, d); }"),
+        ["core::test", "crate::core::reg_mr"]
+    );
+}

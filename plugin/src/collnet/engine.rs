@@ -64,13 +64,13 @@ pub(super) struct Spec {
     /// memory handle.
     pub(super) p1_src: Vec<usize>,
     pub(super) p1_out: usize,
-    pub(super) smh: usize,
+    pub(super) smh: Option<Arc<MemHandle>>,
     /// Phase 2: where my shard starts (sent to every rank), where shard j
     /// lands, and the memory handles of both.
     pub(super) p2_src: usize,
     pub(super) p2_dst: Vec<usize>,
-    pub(super) p2_src_mh: usize,
-    pub(super) p2_dst_mh: usize,
+    pub(super) p2_src_mh: Option<Arc<MemHandle>>,
+    pub(super) p2_dst_mh: Option<Arc<MemHandle>>,
     /// Phase 2 may overwrite bytes phase 1 still sends (all-reduce in place).
     pub(super) hazard: bool,
 }
@@ -106,7 +106,7 @@ impl Coll {
                     .collect()
             })
             .collect();
-        if kind == Kind::AllReduce && !g.reducers.is_empty() {
+        if kind == Kind::AllReduce && g.nreducers > 0 {
             return Self::start_served(g, s, seq, chunk, chunks);
         }
         let reduce = kind != Kind::AllGather;
@@ -166,7 +166,7 @@ impl Coll {
         chunk: usize,
         chunks: Vec<Vec<Chunk>>,
     ) -> Result<*mut c_void> {
-        let m = g.reducers.len();
+        let m = g.nreducers;
         let mut scratch = g.take_scratch(m * Header::LEN)?;
         for (k, &(off, end)) in s.shards.iter().enumerate() {
             let h = Header {
@@ -205,8 +205,9 @@ impl Coll {
     /// up to reducer k and its reduced chunks back into place (in place
     /// only once the same bytes went up).
     pub(super) fn step_served(&mut self) -> Result<bool> {
-        let m = self.g.reducers.len();
-        let (hdr, hmh) = (self.scratch.buf.as_ptr() as usize, self.scratch.mh);
+        let m = self.g.nreducers;
+        let l = self.g.links()?;
+        let (hdr, hmh) = (self.scratch.buf.as_ptr() as usize, self.scratch.mh.as_ref());
         let hazard = self.s.hazard;
         for k in 0..m {
             let at = |e: Error| {
@@ -214,7 +215,7 @@ impl Coll {
                     "reducer {k} of {m} (if it ended the group, its log says why)"
                 ))
             };
-            let (up, down) = self.g.reducers[k];
+            let (up, down) = (Some(&l.reducers[k].0), Some(&l.reducers[k].1));
             let (g, t, ch, s) = (&self.g, self.tag, &self.chunks, &self.s);
             pump(
                 &mut self.hdr[k],
@@ -230,7 +231,7 @@ impl Coll {
                 |c| {
                     let c = ch[k][c];
                     // SAFETY: chunk c of shard k of NCCL's input, registered with smh.
-                    unsafe { send(up, src + (c.off - sk), c.len, t[0], s.smh) }
+                    unsafe { send(up, src + (c.off - sk), c.len, t[0], s.smh.as_deref()) }
                 },
             )
             .map_err(at)?;
@@ -241,7 +242,15 @@ impl Coll {
                 |c| {
                     let c = ch[k][c];
                     // SAFETY: chunk c of shard k's place in NCCL's output, registered.
-                    unsafe { recv(down, dst + (c.off - sk), c.len, t[1], s.p2_dst_mh) }
+                    unsafe {
+                        recv(
+                            down,
+                            dst + (c.off - sk),
+                            c.len,
+                            t[1],
+                            s.p2_dst_mh.as_deref(),
+                        )
+                    }
                 },
             )
             .map_err(at)?;
@@ -280,7 +289,11 @@ impl Coll {
             }
             return Ok(true);
         }
-        let (scratch, scratch_mh) = (self.scratch.buf.as_mut_ptr() as usize, self.scratch.mh);
+        let l = self.g.links()?;
+        let (scratch, scratch_mh) = (
+            self.scratch.buf.as_mut_ptr() as usize,
+            self.scratch.mh.as_ref(),
+        );
         for j in (0..n).filter(|&j| j != me) {
             let at = |e: Error| e.context(format!("rank {j} of {n}"));
             let (g, t, ch) = (&self.g, self.tag, &self.chunks);
@@ -293,7 +306,15 @@ impl Coll {
                 |k| {
                     let c = ch[j][k];
                     // SAFETY: chunk k of shard j of NCCL's input, registered with smh.
-                    unsafe { send(g.send[j], src + (c.off - sj), c.len, t[0], self.s.smh) }
+                    unsafe {
+                        send(
+                            l.send[j].as_ref(),
+                            src + (c.off - sj),
+                            c.len,
+                            t[0],
+                            self.s.smh.as_deref(),
+                        )
+                    }
                 },
             )
             .map_err(at)?;
@@ -304,7 +325,15 @@ impl Coll {
                 |k| {
                     let c = ch[me][k];
                     // SAFETY: rank j's slot of this request's registered scratch.
-                    unsafe { recv(g.recv[j], slot + (c.off - my0), c.len, t[0], scratch_mh) }
+                    unsafe {
+                        recv(
+                            l.recv[j].as_ref(),
+                            slot + (c.off - my0),
+                            c.len,
+                            t[0],
+                            scratch_mh,
+                        )
+                    }
                 },
             )
             .map_err(at)?;
@@ -334,11 +363,11 @@ impl Coll {
                     // SAFETY: chunk k of my part of NCCL's buffer, registered.
                     unsafe {
                         send(
-                            g.send[j],
+                            l.send[j].as_ref(),
                             self.s.p2_src + (c.off - my0),
                             c.len,
                             t[1],
-                            self.s.p2_src_mh,
+                            self.s.p2_src_mh.as_deref(),
                         )
                     }
                 },
@@ -352,7 +381,15 @@ impl Coll {
                 |k| {
                     let c = ch[j][k];
                     // SAFETY: chunk k of shard j's place in NCCL's output, registered.
-                    unsafe { recv(g.recv[j], dst + (c.off - sj), c.len, t[1], self.s.p2_dst_mh) }
+                    unsafe {
+                        recv(
+                            l.recv[j].as_ref(),
+                            dst + (c.off - sj),
+                            c.len,
+                            t[1],
+                            self.s.p2_dst_mh.as_deref(),
+                        )
+                    }
                 },
             )
             .map_err(at)?;
@@ -438,7 +475,7 @@ impl Coll {
             .chain(&mut self.hdr)
         {
             for (_, q) in s.inflight.drain(..) {
-                while matches!(core::test(p(q)), Ok(None)) {
+                while matches!(q.test(), Ok(None)) {
                     if Instant::now() > deadline {
                         clean = false;
                         break;
@@ -448,10 +485,8 @@ impl Coll {
             }
         }
         if clean {
-            let s = std::mem::take(&mut self.scratch);
-            if s.mh != 0 {
-                let _ = core::dereg_mr(std::ptr::null_mut(), p(s.mh));
-            }
+            // Deregistered, then freed.
+            drop(std::mem::take(&mut self.scratch));
         }
         self.clean = false;
     }

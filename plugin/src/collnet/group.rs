@@ -5,22 +5,20 @@ use super::*;
 /// `listen(dev)` on context `ctx`: the core listener, whose handle is the
 /// CollNet handle.
 pub fn listen(ctx: *mut c_void, dev: i32, handle: &mut [u8; HANDLE_SIZE]) -> Result<*mut c_void> {
-    let l = core::listen(ctx, dev, handle)?;
-    Ok(LISTENS.insert(Arc::new(CollListen {
-        ctx: ctx as usize,
-        dev,
-        listen: l as usize,
-    })))
+    let ctx = Context::of(ctx)?;
+    let listen = ctx.listen(dev, handle)?;
+    Ok(LISTENS.insert(Arc::new(CollListen { ctx, dev, listen })))
 }
 
 /// `closeListen`.
 pub fn close_listen(l: *mut c_void) -> Result<()> {
-    let l = LISTENS.remove(l).ok_or_else(|| {
+    // The core listener closes with the last holder (a connect may still
+    // be using it).
+    LISTENS.remove(l).map(drop).ok_or_else(|| {
         Error::bad_handle(format!(
             "CollNet closeListen: {l:p} is not a live listen comm"
         ))
-    })?;
-    core::close_listen(p(l.listen))
+    })
 }
 
 /// `connect(handles, rank, listenComm)`: builds the group; returns once
@@ -60,31 +58,18 @@ pub(super) fn reducer_handles() -> Result<Vec<[u8; HANDLE_SIZE]>> {
 }
 
 /// A group being built: the comms so far and the greetings' buffer. What
-/// is still here when it is dropped (a failed `connect`) is closed.
+/// is still here when it is dropped (a failed `connect`) is closed, and the
+/// registration goes before the arena (fields drop in order).
 #[derive(Debug)]
 pub(super) struct Building {
-    /// Send comm per rank (0: not yet, or this rank) and per reducer.
-    pub(super) send: Vec<usize>,
-    pub(super) rsend: Vec<usize>,
-    pub(super) accepted: Vec<usize>,
+    /// Send comm per rank (none: not yet, or this rank) and per reducer.
+    pub(super) send: Vec<Option<SendComm>>,
+    pub(super) rsend: Vec<Option<SendComm>>,
+    pub(super) accepted: Vec<RecvComm>,
+    pub(super) mh: Option<MemHandle>,
     /// My greeting (8 bytes), the joins (one per reducer), then room for
     /// one greeting per accepted comm; registered once a comm exists.
     pub(super) arena: Vec<u8>,
-    pub(super) mh: usize,
-}
-
-impl Drop for Building {
-    fn drop(&mut self) {
-        for &s in self.send.iter().chain(&self.rsend).filter(|&&s| s != 0) {
-            let _ = core::close_send(p(s));
-        }
-        for &r in &self.accepted {
-            let _ = core::close_recv(p(r));
-        }
-        if self.mh != 0 {
-            let _ = core::dereg_mr(std::ptr::null_mut(), p(self.mh));
-        }
-    }
 }
 
 /// [`connect`] with the reducers given (tests run reducers in-process).
@@ -123,11 +108,11 @@ pub fn connect_with(
     let join_at = GREETING_LEN;
     let theirs_at = join_at + m * Join::LEN;
     let mut b = Building {
-        send: vec![0; n],
-        rsend: vec![0; m],
+        send: (0..n).map(|_| None).collect(),
+        rsend: (0..m).map(|_| None).collect(),
         accepted: Vec::new(),
+        mh: None,
         arena: vec![0; theirs_at + peers * GREETING_LEN],
-        mh: 0,
     };
     b.arena[..GREETING_LEN].copy_from_slice(&(rank as u64).to_le_bytes());
     for k in 0..m {
@@ -148,76 +133,78 @@ pub fn connect_with(
     let mut out = vec![false; n + m];
     out[rank] = true;
     let mut inn = vec![false; peers];
-    let mut reqs: Vec<usize> = Vec::new();
+    let mut reqs: Vec<Request> = Vec::new();
     let mut last_progress = Instant::now();
     loop {
         let mut progressed = false;
         for (j, h) in hs.iter_mut().enumerate() {
-            if j != rank && b.send[j] == 0 {
-                if let Some(s) = core::connect(p(l.ctx), l.dev, None, h)? {
-                    b.send[j] = s as usize;
-                    progressed = true;
-                }
+            if j != rank && b.send[j].is_none() {
+                b.send[j] = l.ctx.connect(l.dev, None, h)?;
+                progressed |= b.send[j].is_some();
             }
         }
         for (k, h) in rh.iter_mut().enumerate() {
-            if b.rsend[k] == 0 {
-                let s = core::connect(p(l.ctx), l.dev, None, h)
+            if b.rsend[k].is_none() {
+                b.rsend[k] = l
+                    .ctx
+                    .connect(l.dev, None, h)
                     .map_err(|e| e.context(format!("CollNet connect: reducer {k} of {m}")))?;
-                if let Some(s) = s {
-                    b.rsend[k] = s as usize;
-                    progressed = true;
-                }
+                progressed |= b.rsend[k].is_some();
             }
         }
         while b.accepted.len() < peers {
-            match core::accept(p(l.listen))? {
+            match l.listen.accept()? {
                 Some(r) => {
-                    b.accepted.push(r as usize);
+                    b.accepted.push(r);
                     progressed = true;
                 }
                 None => break,
             }
         }
-        if b.mh == 0 {
-            let any = b.send.iter().chain(&b.rsend).chain(&b.accepted);
-            if let Some(&c) = any.into_iter().find(|&&c| c != 0) {
-                b.mh = core::reg_mr(p(c), p(base), b.arena.len(), props::PTR_HOST)? as usize;
-            }
+        if b.mh.is_none() {
+            let len = b.arena.len();
+            let through = b.send.iter().chain(&b.rsend).flatten().next();
+            b.mh = match (through, b.accepted.first()) {
+                (Some(s), _) => Some(s.reg_mr(base as *mut c_void, len, props::PTR_HOST)?),
+                (None, Some(r)) => Some(r.reg_mr(base as *mut c_void, len, props::PTR_HOST)?),
+                (None, None) => None,
+            };
         }
-        if b.mh != 0 {
+        if b.mh.is_some() {
             for (j, posted) in out.iter_mut().enumerate() {
                 let (comm, at, len) = if j < n {
-                    (b.send[j], 0, GREETING_LEN)
+                    (&b.send[j], 0, GREETING_LEN)
                 } else {
-                    (b.rsend[j - n], join_at + (j - n) * Join::LEN, Join::LEN)
+                    (&b.rsend[j - n], join_at + (j - n) * Join::LEN, Join::LEN)
                 };
-                if *posted || comm == 0 {
+                if *posted || comm.is_none() {
                     continue;
                 }
+                let mh = b.mh.as_ref();
                 // SAFETY: `len` bytes of the registered arena, kept until
                 // the requests are done (or their comms closed).
-                if let Some(q) = unsafe { send(comm, base + at, len, HELLO_TAG, b.mh) }? {
+                if let Some(q) = unsafe { send(comm.as_ref(), base + at, len, HELLO_TAG, mh) }? {
                     *posted = true;
-                    reqs.push(q as usize);
+                    reqs.push(q);
                 }
             }
-            for (i, &r) in b.accepted.iter().enumerate() {
+            for (i, r) in b.accepted.iter().enumerate() {
                 if inn[i] {
                     continue;
                 }
                 let at = theirs_at + i * GREETING_LEN;
+                let mh = b.mh.as_ref();
                 // SAFETY: as above, this comm's own greeting slot.
-                if let Some(q) = unsafe { recv(r, base + at, GREETING_LEN, HELLO_TAG, b.mh) }? {
+                if let Some(q) = unsafe { recv(Some(r), base + at, GREETING_LEN, HELLO_TAG, mh) }? {
                     inn[i] = true;
-                    reqs.push(q as usize);
+                    reqs.push(q);
                 }
             }
         }
         let before = reqs.len();
         let mut i = 0;
         while i < reqs.len() {
-            if core::test(p(reqs[i]))?.is_some() {
+            if reqs[i].test()?.is_some() {
                 reqs.swap_remove(i);
             } else {
                 i += 1;
@@ -234,8 +221,10 @@ pub fn connect_with(
         if progressed {
             last_progress = Instant::now();
         } else if last_progress.elapsed() > timeout {
-            let missing: Vec<usize> = (0..n).filter(|&j| j != rank && b.send[j] == 0).collect();
-            let reducers: Vec<usize> = (0..m).filter(|&k| b.rsend[k] == 0).collect();
+            let missing: Vec<usize> = (0..n)
+                .filter(|&j| j != rank && b.send[j].is_none())
+                .collect();
+            let reducers: Vec<usize> = (0..m).filter(|&k| b.rsend[k].is_none()).collect();
             return Err(Error::remote(format!(
                 "CollNet connect: rank {rank} of {n}: no progress for {:.1} s (WEFT_PEER_TIMEOUT); \
                  not connected to ranks {missing:?} or reducers {reducers:?}; {} of {peers} comms accepted \
@@ -248,9 +237,9 @@ pub fn connect_with(
         std::thread::yield_now();
     }
     // Whose is each accepted comm?
-    let mut recv = vec![0usize; n];
-    let mut rrecv = vec![0usize; m];
-    for (i, &c) in b.accepted.iter().enumerate() {
+    let mut recv: Vec<Option<RecvComm>> = (0..n).map(|_| None).collect();
+    let mut rrecv: Vec<Option<RecvComm>> = (0..m).map(|_| None).collect();
+    for (i, c) in std::mem::take(&mut b.accepted).into_iter().enumerate() {
         let at = theirs_at + i * GREETING_LEN;
         let v = u64::from_le_bytes(b.arena[at..at + 8].try_into().expect("8 bytes"));
         let slot = if v & wire::REDUCER_BIT != 0 {
@@ -264,7 +253,7 @@ pub fn connect_with(
                 .and_then(|j| recv.get_mut(j))
         };
         match slot {
-            Some(s) if *s == 0 => *s = c,
+            Some(s) if s.is_none() => *s = Some(c),
             _ => {
                 return Err(Error::remote(format!(
                     "CollNet connect: rank {rank} of {n}: a peer greeted as {v:#x}: not a rank or reducer of this group, or twice"
@@ -272,20 +261,25 @@ pub fn connect_with(
             }
         }
     }
-    b.accepted.clear();
-    let send = std::mem::take(&mut b.send);
+    // Every greeting named a distinct slot, and there are as many as slots.
     let reducers = std::mem::take(&mut b.rsend)
         .into_iter()
         .zip(rrecv)
-        .collect();
+        .map(|(s, r)| s.zip(r))
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| Error::internal("CollNet connect: a reducer without both comms"))?;
+    let links = Links {
+        send: std::mem::take(&mut b.send),
+        recv,
+        reducers,
+    };
     drop(b);
     Ok(COMMS.insert(Arc::new(CollComm {
         rank,
         nranks: n,
         dev: l.dev,
-        send,
-        recv,
-        reducers,
+        nreducers: m,
+        links: Mutex::new(Some(Arc::new(links))),
         seq: Mutex::new(0),
         live: AtomicUsize::new(0),
         sent: AtomicU64::new(0),
@@ -303,10 +297,22 @@ pub(super) fn comm(c: *mut c_void, call: &str) -> Result<Arc<CollComm>> {
 }
 
 impl CollComm {
-    /// A comm to register memory through (any of the group's).
-    pub(super) fn any(&self) -> Option<usize> {
-        let reducers = self.reducers.iter().map(|r| r.0);
-        self.send.iter().copied().chain(reducers).find(|&s| s != 0)
+    /// The group's comms; an error once `closeColl` took them.
+    pub(super) fn links(&self) -> Result<Arc<Links>> {
+        let l = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        l.clone()
+            .ok_or_else(|| Error::bad_handle("CollNet: the group is closed (closeColl)"))
+    }
+
+    /// Registers host memory through one of the group's send comms; `None`
+    /// for a group of one (it has no comm, and moves nothing).
+    pub(super) fn reg_mr(&self, data: *mut c_void, len: usize) -> Result<Option<MemHandle>> {
+        let l = self.links()?;
+        let reducers = l.reducers.iter().map(|r| &r.0);
+        match l.send.iter().flatten().chain(reducers).next() {
+            Some(s) => Ok(Some(s.reg_mr(data, len, props::PTR_HOST)?)),
+            None => Ok(None),
+        }
     }
 
     /// A registered scratch buffer of at least `len` bytes: the smallest
@@ -323,13 +329,8 @@ impl CollComm {
             }
         }
         let mut buf = vec![0u8; len];
-        let mh = match self.any() {
-            Some(any) => {
-                core::reg_mr(p(any), buf.as_mut_ptr().cast(), len, props::PTR_HOST)? as usize
-            }
-            None => 0,
-        };
-        Ok(Scratch { buf, mh })
+        let mh = self.reg_mr(buf.as_mut_ptr().cast(), len)?;
+        Ok(Scratch { mh, buf })
     }
 
     /// Tells every reducer this rank closes the group (a header with `bye`),
@@ -337,7 +338,8 @@ impl CollComm {
     /// its comms closed; waits up to the peer timeout for the sends. Best
     /// effort: a reducer that is gone is only logged.
     pub(super) fn bye(&self) {
-        let m = self.reducers.len();
+        let m = self.nreducers;
+        let Ok(l) = self.links() else { return };
         if m == 0 {
             return;
         }
@@ -362,23 +364,22 @@ impl CollComm {
             s.buf[k * Header::LEN..][..Header::LEN].copy_from_slice(&bye.encode());
         }
         let deadline = Instant::now() + core::peer_timeout().unwrap_or(Duration::from_secs(30));
-        let mut q: Vec<Option<usize>> = vec![None; m];
+        let mut q: Vec<Option<Request>> = vec![None; m];
         let mut left: Vec<usize> = (0..m).collect();
         let at = s.buf.as_ptr() as usize;
         while !left.is_empty() && Instant::now() < deadline {
             left.retain(|&k| {
                 let mut step = || -> Result<bool> {
                     if q[k].is_none() {
-                        let c = self.reducers[k].0;
+                        let c = Some(&l.reducers[k].0);
+                        let mh = s.mh.as_ref();
                         // SAFETY: header k of the registered scratch, kept
                         // until the request ends (or the deadline leaks it).
-                        q[k] = unsafe {
-                            send(c, at + k * Header::LEN, Header::LEN, HEADER_TAG, s.mh)
-                        }?
-                        .map(|q| q as usize);
+                        q[k] =
+                            unsafe { send(c, at + k * Header::LEN, Header::LEN, HEADER_TAG, mh) }?;
                     }
                     Ok(match q[k] {
-                        Some(r) => core::test(p(r))?.is_some(),
+                        Some(r) => r.test()?.is_some(),
                         None => false,
                     })
                 };
@@ -415,14 +416,14 @@ impl CollComm {
                 .expect("not empty");
             let old = pool.swap_remove(i);
             drop(pool);
-            if old.mh != 0 {
-                let _ = core::dereg_mr(std::ptr::null_mut(), p(old.mh));
-            }
+            // Deregistered, then freed.
+            drop(old);
         }
     }
 }
 
-/// `closeColl`: says goodbye to the reducers, closes the group's comms.
+/// `closeColl`: says goodbye to the reducers, closes the group's comms
+/// (once no step of a request holds them) and frees its scratch buffers.
 pub fn close_coll(c: *mut c_void) -> Result<()> {
     let g = COMMS.remove(c).ok_or_else(|| {
         Error::bad_handle(format!(
@@ -430,28 +431,10 @@ pub fn close_coll(c: *mut c_void) -> Result<()> {
         ))
     })?;
     g.bye();
-    let mut first = Ok(());
-    for s in std::mem::take(&mut *g.pool.lock().unwrap_or_else(|e| e.into_inner())) {
-        if s.mh != 0 {
-            first = first.and(core::dereg_mr(std::ptr::null_mut(), p(s.mh)));
-        }
-    }
-    let reducers = g.reducers.iter();
-    for &s in g
-        .send
-        .iter()
-        .chain(reducers.clone().map(|r| &r.0))
-        .filter(|&&s| s != 0)
-    {
-        first = first.and(core::close_send(p(s)));
-    }
-    for &r in g
-        .recv
-        .iter()
-        .chain(reducers.map(|r| &r.1))
-        .filter(|&&r| r != 0)
-    {
-        first = first.and(core::close_recv(p(r)));
-    }
-    first
+    drop(std::mem::take(
+        &mut *g.pool.lock().unwrap_or_else(|e| e.into_inner()),
+    ));
+    let links = g.links.lock().unwrap_or_else(|e| e.into_inner()).take();
+    drop(links);
+    Ok(())
 }

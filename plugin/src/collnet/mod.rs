@@ -57,7 +57,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::ReducerRef;
 use crate::core::handles::Registry;
-use crate::core::{self, props, RecvArg};
+use crate::core::{self, props, Context, ListenComm, MemHandle, RecvComm, Request, SendComm};
 use crate::error::{Error, Result};
 use crate::nccl::HANDLE_SIZE;
 use reduce::{DataType, RedOp};
@@ -81,9 +81,9 @@ fn op_tags(seq: u32) -> [i32; 2] {
 /// A listening CollNet comm: the core listener of one device.
 #[derive(Debug)]
 pub struct CollListen {
-    ctx: usize,
+    ctx: Context,
     dev: i32,
-    listen: usize,
+    listen: ListenComm,
 }
 
 /// A connected group.
@@ -92,11 +92,11 @@ pub struct CollComm {
     rank: usize,
     nranks: usize,
     dev: i32,
-    /// Core send and receive comm per rank (0 at this rank's own index).
-    send: Vec<usize>,
-    recv: Vec<usize>,
-    /// Send and receive comm per reducer (none: the ranks reduce).
-    reducers: Vec<(usize, usize)>,
+    /// Reducers of the group (none: the ranks reduce).
+    nreducers: usize,
+    /// The group's comms, until `closeColl` takes them (a step holds them
+    /// while it runs; they close when the last holder lets go).
+    links: Mutex<Option<Arc<Links>>>,
     /// Operations issued so far (the next one's sequence number).
     seq: Mutex<u32>,
     /// Operations in flight.
@@ -110,12 +110,23 @@ pub struct CollComm {
     pool: Mutex<Vec<Scratch>>,
 }
 
+/// The core comms of a group.
+#[derive(Debug)]
+struct Links {
+    /// Send and receive comm per rank (none at this rank's own index).
+    send: Vec<Option<SendComm>>,
+    recv: Vec<Option<RecvComm>>,
+    /// Send and receive comm per reducer.
+    reducers: Vec<(SendComm, RecvComm)>,
+}
+
 /// A registered scratch buffer: the peers' contributions to this rank's
-/// shard, then room for one chunk of reduction.
+/// shard, then room for one chunk of reduction. The registration goes
+/// before the memory (fields drop in order).
 #[derive(Debug, Default)]
 struct Scratch {
+    mh: Option<MemHandle>,
     buf: Vec<u8>,
-    mh: usize,
 }
 
 /// Scratch buffers a group keeps between operations.
@@ -127,7 +138,7 @@ const POOL: usize = 4;
 /// lie in.
 #[derive(Debug)]
 pub struct CollMr {
-    core: Option<usize>,
+    core: Option<Arc<MemHandle>>,
     addr: usize,
     len: usize,
 }
@@ -136,10 +147,6 @@ static LISTENS: LazyLock<Registry<CollListen>> = LazyLock::new(Registry::default
 static COMMS: LazyLock<Registry<CollComm>> = LazyLock::new(Registry::default);
 static MRS: LazyLock<Registry<CollMr>> = LazyLock::new(Registry::default);
 static REQS: LazyLock<Registry<Mutex<Coll>>> = LazyLock::new(Registry::default);
-
-fn p(v: usize) -> *mut c_void {
-    v as *mut c_void
-}
 
 /// `reduceSupport(type, op)`: every type and op this build reduces.
 pub fn reduce_support(ty: i32, op: i32) -> bool {
@@ -159,10 +166,7 @@ pub fn reg_mr(
             "CollNet regMr: memory type {ptr_type:#x} is not supported: host memory only (ptrSupport = NCCL_PTR_HOST)"
         )));
     }
-    let core = match g.any() {
-        Some(any) => Some(core::reg_mr(p(any), data, size, ptr_type)? as usize),
-        None => None,
-    };
+    let core = g.reg_mr(data, size)?.map(Arc::new);
     Ok(MRS.insert(Arc::new(CollMr {
         core,
         addr: data as usize,
@@ -172,21 +176,24 @@ pub fn reg_mr(
 
 /// `deregMr(collComm, mhandle)`.
 pub fn dereg_mr(mh: *mut c_void) -> Result<()> {
-    let m = MRS.remove(mh).ok_or_else(|| {
+    // The core's registration goes with the last request that holds it.
+    MRS.remove(mh).map(drop).ok_or_else(|| {
         Error::bad_handle(format!(
             "CollNet deregMr: {mh:p} is not a live memory handle"
         ))
-    })?;
-    match m.core {
-        Some(h) => core::dereg_mr(std::ptr::null_mut(), p(h)),
-        None => Ok(()),
-    }
+    })
 }
 
 /// The core handle of CollNet handle `mh`, once `buf..buf+len` (the
 /// `what` buffer of `call`) is checked to lie inside the range NCCL
 /// registered with it: before anything is allocated or posted.
-fn core_mh(mh: *mut c_void, buf: usize, len: usize, what: &str, call: &str) -> Result<usize> {
+fn core_mh(
+    mh: *mut c_void,
+    buf: usize,
+    len: usize,
+    what: &str,
+    call: &str,
+) -> Result<Option<Arc<MemHandle>>> {
     let m = MRS.get(mh).ok_or_else(|| {
         Error::bad_handle(format!(
             "CollNet {call}: {mh:p} is not a live memory handle"
@@ -199,7 +206,7 @@ fn core_mh(mh: *mut c_void, buf: usize, len: usize, what: &str, call: &str) -> R
             m.addr, m.len
         )));
     }
-    Ok(m.core.unwrap_or(0))
+    Ok(m.core.clone())
 }
 
 /// `iallreduce`: a request `test` drives to completion.
@@ -231,8 +238,8 @@ pub unsafe fn iallreduce(
         core_mh(rmh, recv as usize, bytes, "receive", "iallreduce")?,
     );
     // Shards are the ranks' or, through reducers, the reducers'.
-    let served = !g.reducers.is_empty();
-    let owners = if served { g.reducers.len() } else { g.nranks };
+    let served = g.nreducers > 0;
+    let owners = if served { g.nreducers } else { g.nranks };
     let shards = even_shards(count, dt.size(), owners);
     let (send, recv) = (send as usize, recv as usize);
     let mine = if served { 0 } else { recv + shards[g.rank].0 };
@@ -245,7 +252,7 @@ pub unsafe fn iallreduce(
         smh,
         p2_src: mine,
         p2_dst: shards.iter().map(|s| recv + s.0).collect(),
-        p2_src_mh: rmh,
+        p2_src_mh: rmh.clone(),
         p2_dst_mh: rmh,
         // Through reducers a chunk's result exists only once the reducer
         // has every rank's copy of it, mine included: it cannot overwrite
@@ -303,7 +310,7 @@ pub unsafe fn iallgather(
         bytes: window_bytes,
         p1_src: vec![0; g.nranks],
         p1_out: 0,
-        smh,
+        smh: smh.clone(),
         p2_src: send,
         p2_dst: shards.iter().map(|s| recv + (s.0 - window_off)).collect(),
         p2_src_mh: smh,
@@ -376,7 +383,7 @@ pub unsafe fn ireducescatter(
         smh,
         p2_src: 0,
         p2_dst: vec![0; g.nranks],
-        p2_src_mh: 0,
+        p2_src_mh: None,
         p2_dst_mh: rmh,
         hazard: false,
         shards,

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use super::reduce;
 use super::wire::{self, Header, Join, GREETING_LEN, HEADER_TAG, HELLO_TAG};
 use super::{op_tags, recv, send};
-use crate::core::{self, props};
+use crate::core::{self, props, Context, ListenComm, MemHandle, RecvComm, Request, SendComm};
 use crate::error::{Error, Result};
 use crate::nccl::HANDLE_SIZE;
 
@@ -41,34 +41,31 @@ pub const WINDOW: usize = 4;
 /// Headers a group may have queued before the reducer stops taking more.
 const QUEUED: usize = 16;
 
-fn p(v: usize) -> *mut c_void {
-    v as *mut c_void
-}
-
-/// A registered buffer.
-#[derive(Debug, Default)]
+/// A registered buffer (the registration goes before the memory: fields
+/// drop in order).
+#[derive(Debug)]
 struct Buf {
+    mh: MemHandle,
     mem: Vec<u8>,
-    mh: usize,
 }
 
 impl Buf {
-    fn new(comm: usize, len: usize) -> Result<Self> {
+    /// `len` bytes registered through `comm`.
+    fn new(comm: &RecvComm, len: usize) -> Result<Self> {
         let mut mem = vec![0u8; len];
-        let mh = core::reg_mr(p(comm), mem.as_mut_ptr().cast(), len, props::PTR_HOST)? as usize;
-        Ok(Self { mem, mh })
+        let mh = comm.reg_mr(mem.as_mut_ptr().cast::<c_void>(), len, props::PTR_HOST)?;
+        Ok(Self { mh, mem })
     }
     fn at(&self, off: usize) -> usize {
         self.mem.as_ptr() as usize + off
     }
     /// Deregisters; with `clean` false (the provider may still write into
     /// it) the memory is leaked instead of freed.
-    fn release(mut self, clean: bool) {
-        if self.mh != 0 {
-            let _ = core::dereg_mr(std::ptr::null_mut(), p(self.mh));
-        }
+    fn release(self, clean: bool) {
+        let Buf { mh, mem } = self;
+        drop(mh);
         if !clean {
-            std::mem::forget(std::mem::take(&mut self.mem));
+            std::mem::forget(mem);
         }
     }
 }
@@ -77,7 +74,7 @@ impl Buf {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Q {
     Todo,
-    Posted(usize),
+    Posted(Request),
     Done,
 }
 
@@ -87,7 +84,7 @@ impl Q {
     /// that truncated or forged one) is an error.
     fn test(&mut self, len: usize, count: &mut u64) -> Result<bool> {
         if let Q::Posted(q) = *self {
-            if let Some(d) = core::test(p(q))? {
+            if let Some(d) = q.test()? {
                 *self = Q::Done;
                 if d.sizes[0] != len {
                     return Err(Error::remote(format!(
@@ -103,11 +100,12 @@ impl Q {
     }
 }
 
-/// One rank of a group, as the reducer sees it.
+/// One rank of a group, as the reducer sees it: the comm it joined on,
+/// the comm connected back to it, and its listen handle.
 #[derive(Debug)]
 struct Member {
-    recv: usize,
-    send: usize,
+    recv: RecvComm,
+    send: Option<SendComm>,
     handle: [u8; HANDLE_SIZE],
 }
 
@@ -153,10 +151,11 @@ struct Group {
     n: usize,
     index: u32,
     nreducers: u32,
+    /// Each rank, once joined.
     members: Vec<Option<Member>>,
-    /// Each rank's (receive, send) comm, once serving (every rank joined
-    /// and was connected back to).
-    links: Vec<(usize, usize)>,
+    /// Each rank's comms, once serving (every rank joined and was
+    /// connected back to): taken from `members`.
+    links: Vec<(RecvComm, SendComm)>,
     phase: Phase,
     since: Instant,
     /// Greeting (8 bytes) then one header slot per rank.
@@ -172,10 +171,12 @@ struct Group {
     bytes_out: u64,
 }
 
-/// A comm accepted whose join has not arrived yet.
+/// A comm accepted whose join has not arrived yet. Dropping it closes the
+/// comm (which takes its receive back from the provider), then frees the
+/// buffer.
 #[derive(Debug)]
 struct Pending {
-    recv: usize,
+    recv: RecvComm,
     buf: Buf,
     q: Q,
     since: Instant,
@@ -201,9 +202,9 @@ pub struct Stats {
 /// A reduction server on one device.
 #[derive(Debug)]
 pub struct Reducer {
-    ctx: usize,
+    ctx: Context,
     dev: i32,
-    listen: usize,
+    listen: ListenComm,
     handle: [u8; HANDLE_SIZE],
     timeout: Duration,
     pending: Vec<Pending>,
@@ -215,9 +216,10 @@ impl Reducer {
     /// Listens on device `dev` of context `ctx`.
     pub fn new(ctx: *mut c_void, dev: i32) -> Result<Self> {
         let mut handle = [0u8; HANDLE_SIZE];
-        let listen = core::listen(ctx, dev, &mut handle)? as usize;
+        let ctx = Context::of(ctx)?;
+        let listen = ctx.listen(dev, &mut handle)?;
         Ok(Self {
-            ctx: ctx as usize,
+            ctx,
             dev,
             listen,
             handle,
@@ -265,7 +267,7 @@ impl Reducer {
         let mut progressed = self.accept();
         let mut i = 0;
         while i < self.groups.len() {
-            let step = self.groups[i].step(self.ctx, self.dev, self.timeout);
+            let step = self.groups[i].step(&self.ctx, self.dev, self.timeout);
             let g = &mut self.groups[i];
             self.stats.bytes_in += std::mem::take(&mut g.bytes_in);
             self.stats.bytes_out += std::mem::take(&mut g.bytes_out);
@@ -297,19 +299,19 @@ impl Reducer {
     fn accept(&mut self) -> bool {
         let mut progressed = false;
         loop {
-            match core::accept(p(self.listen)) {
-                Ok(Some(r)) => {
+            match self.listen.accept() {
+                Ok(Some(recv)) => {
                     progressed = true;
-                    match Buf::new(r as usize, Join::LEN) {
+                    // On an error the comm is dropped: closed.
+                    match Buf::new(&recv, Join::LEN) {
                         Ok(buf) => self.pending.push(Pending {
-                            recv: r as usize,
+                            recv,
                             buf,
                             q: Q::Todo,
                             since: Instant::now(),
                         }),
                         Err(e) => {
                             tracing::warn!(target: "weft::collnet", "reducer: cannot register a join buffer: {e}");
-                            let _ = core::close_recv(r);
                         }
                     }
                 }
@@ -325,10 +327,11 @@ impl Reducer {
             let pd = &mut self.pending[i];
             let step = (|| -> Result<bool> {
                 if pd.q == Q::Todo {
-                    let (at, mh) = (pd.buf.at(0), pd.buf.mh);
+                    let (at, mh) = (pd.buf.at(0), Some(&pd.buf.mh));
                     // SAFETY: the pending comm's own registered join buffer.
-                    if let Some(q) = unsafe { recv(pd.recv, at, Join::LEN, HELLO_TAG, mh) }? {
-                        pd.q = Q::Posted(q as usize);
+                    if let Some(q) = unsafe { recv(Some(&pd.recv), at, Join::LEN, HELLO_TAG, mh) }?
+                    {
+                        pd.q = Q::Posted(q);
                     }
                 }
                 pd.q.test(Join::LEN, &mut 0)
@@ -340,7 +343,7 @@ impl Reducer {
                     tracing::warn!(target: "weft::collnet",
                         "reducer: a comm accepted {:.1} s ago never sent its join; closed",
                         pd.since.elapsed().as_secs_f64());
-                    close_pending(pd);
+                    drop(pd);
                     progressed = true;
                 }
                 Ok(true) => {
@@ -349,23 +352,23 @@ impl Reducer {
                     let join = Join::decode(&pd.buf.mem);
                     match join {
                         Ok(j) => {
-                            let recv = pd.recv;
-                            pd.buf.release(true);
+                            let Pending { recv, buf, .. } = pd;
+                            drop(buf);
+                            // A join refused drops (closes) its comm.
                             if let Err(e) = self.admit(j, recv) {
                                 tracing::warn!(target: "weft::collnet", "reducer: join refused: {e}");
-                                let _ = core::close_recv(p(recv));
                             }
                         }
                         Err(e) => {
                             tracing::warn!(target: "weft::collnet", "reducer: {e}; the comm is closed");
-                            close_pending(pd);
+                            drop(pd);
                         }
                     }
                 }
                 Err(e) => {
                     let pd = self.pending.swap_remove(i);
                     tracing::warn!(target: "weft::collnet", "reducer: a comm failed before its join: {e}");
-                    close_pending(pd);
+                    drop(pd);
                     progressed = true;
                 }
             }
@@ -374,12 +377,12 @@ impl Reducer {
     }
 
     /// Adds a joined rank to its group (a new one for a new key).
-    fn admit(&mut self, j: Join, recv: usize) -> Result<()> {
+    fn admit(&mut self, j: Join, recv: RecvComm) -> Result<()> {
         let i = match self.groups.iter().position(|g| g.key == j.key) {
             Some(i) => i,
             None => {
                 let n = j.nranks as usize;
-                let msgs = Buf::new(recv, GREETING_LEN + n * Header::LEN)?;
+                let msgs = Buf::new(&recv, GREETING_LEN + n * Header::LEN)?;
                 self.groups.push(Group {
                     key: j.key,
                     n,
@@ -428,7 +431,7 @@ impl Reducer {
         }
         g.members[r] = Some(Member {
             recv,
-            send: 0,
+            send: None,
             handle: j.handle,
         });
         g.since = Instant::now();
@@ -442,19 +445,12 @@ impl Reducer {
     }
 }
 
-/// Closes a comm whose join never came (closing it takes its receive
-/// back from the provider), then frees its buffer.
-fn close_pending(pd: Pending) {
-    let _ = core::close_recv(p(pd.recv));
-    pd.buf.release(true);
-}
-
 /// Waits until `deadline` for a posted request to end (done or failed);
 /// `true` if nothing of the provider's is left on it.
 fn finish(q: Q, deadline: Instant) -> bool {
     let Q::Posted(q) = q else { return true };
     loop {
-        match core::test(p(q)) {
+        match q.test() {
             Ok(None) if Instant::now() < deadline => std::thread::yield_now(),
             Ok(None) => return false,
             _ => return true,
@@ -469,7 +465,7 @@ impl Group {
     }
 
     /// One step of this group; `true` if anything progressed.
-    fn step(&mut self, ctx: usize, dev: i32, timeout: Duration) -> Result<bool> {
+    fn step(&mut self, ctx: &Context, dev: i32, timeout: Duration) -> Result<bool> {
         match self.phase {
             Phase::Joining => {
                 if self.since.elapsed() > 2 * timeout {
@@ -488,32 +484,30 @@ impl Group {
     }
 
     /// Connects back to every rank and greets it.
-    fn greet(&mut self, ctx: usize, dev: i32, timeout: Duration) -> Result<bool> {
+    fn greet(&mut self, ctx: &Context, dev: i32, timeout: Duration) -> Result<bool> {
         let mut progressed = false;
         let mine = wire::REDUCER_BIT | u64::from(self.index);
         self.msgs.mem[..GREETING_LEN].copy_from_slice(&mine.to_le_bytes());
         for r in 0..self.n {
             let m = self.members[r].as_mut().expect("every rank joined");
-            if m.send == 0 {
-                let c = core::connect(p(ctx), dev, None, &mut m.handle)
+            if m.send.is_none() {
+                m.send = ctx
+                    .connect(dev, None, &mut m.handle)
                     .map_err(|e| e.context(format!("connecting back to rank {r}")))?;
-                if let Some(c) = c {
-                    m.send = c as usize;
-                    progressed = true;
-                }
+                progressed |= m.send.is_some();
             }
-            if m.send != 0 && self.greet[r] == Q::Todo {
+            if m.send.is_some() && self.greet[r] == Q::Todo {
                 // SAFETY: the group's registered greeting, kept with the group.
                 if let Some(q) = unsafe {
                     send(
-                        m.send,
+                        m.send.as_ref(),
                         self.msgs.at(0),
                         GREETING_LEN,
                         HELLO_TAG,
-                        self.msgs.mh,
+                        Some(&self.msgs.mh),
                     )
                 }? {
-                    self.greet[r] = Q::Posted(q as usize);
+                    self.greet[r] = Q::Posted(q);
                 }
             }
             progressed |= self.greet[r]
@@ -521,10 +515,11 @@ impl Group {
                 .map_err(|e| e.context(format!("greeting rank {r}")))?;
         }
         if self.greet.iter().all(|&q| q == Q::Done) {
-            self.links = self
-                .members
-                .iter()
-                .map(|m| m.as_ref().map_or((0, 0), |m| (m.recv, m.send)))
+            // Every rank joined and every greeting went: each has both.
+            self.links = std::mem::take(&mut self.members)
+                .into_iter()
+                .flatten()
+                .filter_map(|m| Some((m.recv, m.send?)))
                 .collect();
             self.phase = Phase::Serving;
             progressed = true;
@@ -547,12 +542,13 @@ impl Group {
         for r in 0..n {
             if self.hdr[r] == Q::Todo && self.ops.len() < QUEUED && !self.bye {
                 let at = self.msgs.at(GREETING_LEN + r * Header::LEN);
-                let c = self.links[r].0;
+                let c = self.links.get(r).map(|l| &l.0);
+                let mh = Some(&self.msgs.mh);
                 // SAFETY: rank r's header slot of the group's registered buffer.
-                if let Some(q) = unsafe { recv(c, at, Header::LEN, HEADER_TAG, self.msgs.mh) }
+                if let Some(q) = unsafe { recv(c, at, Header::LEN, HEADER_TAG, mh) }
                     .map_err(|e| e.context(format!("rank {r}")))?
                 {
-                    self.hdr[r] = Q::Posted(q as usize);
+                    self.hdr[r] = Q::Posted(q);
                 }
             }
             progressed |= self.hdr[r]
@@ -605,7 +601,10 @@ impl Group {
         let n = self.n;
         let mut progressed = false;
         let members = &self.links;
-        let any = members[0].0;
+        let any = &members
+            .first()
+            .ok_or_else(|| Error::internal("reducer: a group serving no rank"))?
+            .0;
         let op = &mut self.ops[i];
         let chunk = op.h.chunk as usize;
         let ty = op.h.ty;
@@ -627,7 +626,7 @@ impl Group {
             op.next += len;
             progressed = true;
         }
-        for (r, &(rc, _)) in members.iter().enumerate() {
+        for (r, (rc, _)) in members.iter().enumerate() {
             let at = |e: Error| e.context(format!("rank {r} of {n}"));
             // Receives and sends go out in chunk order per rank (matching is
             // in order per tag), so stop at the first one a comm refuses.
@@ -637,9 +636,10 @@ impl Group {
                     break;
                 }
                 let dst = w.slot.at(r * chunk);
+                let mh = Some(&w.slot.mh);
                 // SAFETY: rank r's part of the chunk's registered slot.
-                match unsafe { recv(rc, dst, w.len, op.tags[0], w.slot.mh) }.map_err(at)? {
-                    Some(q) => w.up[r] = Q::Posted(q as usize),
+                match unsafe { recv(Some(rc), dst, w.len, op.tags[0], mh) }.map_err(at)? {
+                    Some(q) => w.up[r] = Q::Posted(q),
                     None => blocked = true,
                 }
             }
@@ -667,17 +667,18 @@ impl Group {
             w.reduced = true;
             progressed = true;
         }
-        for (r, &(_, sc)) in members.iter().enumerate() {
+        for (r, (_, sc)) in members.iter().enumerate() {
             let at = |e: Error| e.context(format!("rank {r} of {n}"));
             for w in op
                 .work
                 .iter_mut()
                 .filter(|w| w.reduced && w.down[r] == Q::Todo)
             {
+                let (at0, mh) = (w.slot.at(0), Some(&w.slot.mh));
                 // SAFETY: the reduced chunk, rank 0's part of the registered
                 // slot, kept until every send of it is done.
-                match unsafe { send(sc, w.slot.at(0), w.len, op.tags[1], w.slot.mh) }.map_err(at)? {
-                    Some(q) => w.down[r] = Q::Posted(q as usize),
+                match unsafe { send(Some(sc), at0, w.len, op.tags[1], mh) }.map_err(at)? {
+                    Some(q) => w.down[r] = Q::Posted(q),
                     None => break,
                 }
             }
@@ -727,12 +728,9 @@ impl Group {
                 }
             }
         }
-        for m in self.members.into_iter().flatten() {
-            if m.send != 0 {
-                let _ = core::close_send(p(m.send));
-            }
-            let _ = core::close_recv(p(m.recv));
-        }
+        // The comms close, then the buffers go.
+        drop(self.members);
+        drop(self.links);
         self.msgs.release(clean);
         for s in slots {
             s.release(true);
@@ -748,9 +746,7 @@ impl Drop for Reducer {
                 self.timeout,
             );
         }
-        for pd in std::mem::take(&mut self.pending) {
-            close_pending(pd);
-        }
-        let _ = core::close_listen(p(self.listen));
+        // The pending comms close, then the listener (fields drop after this).
+        self.pending.clear();
     }
 }

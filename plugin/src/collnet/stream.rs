@@ -15,7 +15,7 @@ pub(super) struct Chunk {
 pub(super) struct Stream {
     pub(super) next: usize,
     pub(super) done: Vec<bool>,
-    pub(super) inflight: Vec<(usize, usize)>,
+    pub(super) inflight: Vec<(usize, Request)>,
 }
 
 impl Stream {
@@ -35,7 +35,7 @@ impl Stream {
         let mut i = 0;
         while i < self.inflight.len() {
             let (c, q) = self.inflight[i];
-            if core::test(p(q))?.is_some() {
+            if q.test()?.is_some() {
                 self.done[c] = true;
                 count.fetch_add(chunks[c].len as u64, Ordering::Relaxed);
                 self.inflight.swap_remove(i);
@@ -53,50 +53,59 @@ impl Stream {
 pub(super) fn pump(
     s: &mut Stream,
     may: impl Fn(usize) -> bool,
-    mut post: impl FnMut(usize) -> Result<Option<*mut c_void>>,
+    mut post: impl FnMut(usize) -> Result<Option<Request>>,
 ) -> Result<()> {
     while s.inflight.len() < WINDOW && s.next < s.done.len() && may(s.next) {
         let Some(q) = post(s.next)? else { break };
-        s.inflight.push((s.next, q as usize));
+        s.inflight.push((s.next, q));
         s.next += 1;
     }
     Ok(())
 }
 
-/// Sends `len` bytes at `addr` (registered with `mh`) on core send comm `comm`.
+/// Sends `len` bytes at `addr` (registered with `mh`) on `comm`.
 ///
 /// # Safety
 /// The range is registered with `mh` and stays valid until the request is done.
 pub(crate) unsafe fn send(
-    comm: usize,
+    comm: Option<&SendComm>,
     addr: usize,
     len: usize,
     tag: i32,
-    mh: usize,
-) -> Result<Option<*mut c_void>> {
+    mh: Option<&MemHandle>,
+) -> Result<Option<Request>> {
+    let (comm, mh) = both(comm, mh, "send")?;
     // SAFETY: the caller's contract.
-    unsafe { core::isend(p(comm), p(addr), len, tag, p(mh), std::ptr::null_mut()) }
+    unsafe { comm.isend(addr as *mut c_void, len, tag, mh) }
 }
 
-/// Receives `len` bytes on core receive comm `comm` into `addr` (registered
-/// with `mh`).
+/// Receives `len` bytes on `comm` into `addr` (registered with `mh`).
 ///
 /// # Safety
 /// As for [`send`], and the range is writable.
 pub(crate) unsafe fn recv(
-    comm: usize,
+    comm: Option<&RecvComm>,
     addr: usize,
     len: usize,
     tag: i32,
-    mh: usize,
-) -> Result<Option<*mut c_void>> {
-    let arg = RecvArg {
-        data: p(addr),
-        size: len,
-        tag,
-        mhandle: p(mh),
-        phandle: std::ptr::null_mut(),
-    };
+    mh: Option<&MemHandle>,
+) -> Result<Option<Request>> {
+    let (comm, mh) = both(comm, mh, "receive")?;
     // SAFETY: the caller's contract.
-    unsafe { core::irecv(p(comm), &[arg]) }
+    unsafe { comm.irecv(addr as *mut c_void, len, tag, mh) }
+}
+
+/// The comm and the memory handle of a transfer, which a group has for
+/// every peer it moves bytes with (a comm per peer, and a registration once
+/// it has any comm).
+fn both<'a, C>(
+    comm: Option<&'a C>,
+    mh: Option<&'a MemHandle>,
+    what: &str,
+) -> Result<(&'a C, &'a MemHandle)> {
+    comm.zip(mh).ok_or_else(|| {
+        Error::internal(format!(
+            "CollNet: a {what} with no comm or no memory handle (the group has no such peer)"
+        ))
+    })
 }

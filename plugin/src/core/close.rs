@@ -6,12 +6,27 @@ use super::*;
 
 /// `closeSend`.
 pub fn close_send(comm: *mut c_void) -> Result<()> {
-    let s = REG.send.remove(comm).ok_or_else(|| {
+    owned::close_token::<Sender>(comm).ok_or_else(|| {
         Error::bad_handle(format!("closeSend: {comm:p} is not a live Weft send comm"))
-    })?;
-    s.events.stop_all();
-    last_ref(s, "closeSend");
-    Ok(())
+    })
+}
+
+/// `closeRecv`.
+pub fn close_recv(comm: *mut c_void) -> Result<()> {
+    owned::close_token::<Receiver>(comm).ok_or_else(|| {
+        Error::bad_handle(format!(
+            "closeRecv: {comm:p} is not a live Weft receive comm"
+        ))
+    })
+}
+
+/// `closeListen`.
+pub fn close_listen(comm: *mut c_void) -> Result<()> {
+    owned::close_token::<Listener>(comm).ok_or_else(|| {
+        Error::bad_handle(format!(
+            "closeListen: {comm:p} is not a live Weft listen comm"
+        ))
+    })
 }
 
 /// Drops a closed comm here, once nobody else holds it: its drop is the
@@ -36,25 +51,4 @@ pub(super) fn last_ref<C: proto::Comm + ?Sized>(c: Arc<Connected<C>>, what: &str
         std::thread::yield_now();
     }
     drop(c);
-}
-
-/// `closeRecv`.
-pub fn close_recv(comm: *mut c_void) -> Result<()> {
-    let c = REG.recv.remove(comm).ok_or_else(|| {
-        Error::bad_handle(format!(
-            "closeRecv: {comm:p} is not a live Weft receive comm"
-        ))
-    })?;
-    c.events.stop_all();
-    last_ref(c, "closeRecv");
-    Ok(())
-}
-
-/// `closeListen`.
-pub fn close_listen(comm: *mut c_void) -> Result<()> {
-    REG.listen.remove(comm).map(drop).ok_or_else(|| {
-        Error::bad_handle(format!(
-            "closeListen: {comm:p} is not a live Weft listen comm"
-        ))
-    })
 }

@@ -8,6 +8,15 @@ use super::*;
 /// listener per rail and a handle that lists them all.
 pub fn listen(ctx_p: *mut c_void, dev: i32, handle: &mut [u8; HANDLE_SIZE]) -> Result<*mut c_void> {
     let c = ctx(ctx_p)?;
+    Ok(listen_on(&c, dev, handle)?.into_token())
+}
+
+/// [`listen`] in context `c`.
+pub(super) fn listen_on(
+    c: &Ctx,
+    dev: i32,
+    handle: &mut [u8; HANDLE_SIZE],
+) -> Result<Owned<Listener>> {
     let d = device(&c.plugin, dev)?;
     let nonce = proto::handshake::nonce();
     let comm = if d.virtual_ {
@@ -31,11 +40,11 @@ pub fn listen(ctx_p: *mut c_void, dev: i32, handle: &mut [u8; HANDLE_SIZE]) -> R
         h.encode(handle).map_err(|e| Error::system(e.to_string()))?;
         l
     };
-    Ok(REG.listen.insert(Arc::new(Listener {
+    Ok(Owned::record(Listener {
         comm,
         dev: d.index,
         profiler: c.profiler,
-    })))
+    }))
 }
 
 /// `connect(ctx, dev, handle)`: one non-blocking step; `Some` once connected.
@@ -53,6 +62,16 @@ pub fn connect(
     handle: &mut [u8; HANDLE_SIZE],
 ) -> Result<Option<*mut c_void>> {
     let c = ctx(ctx_p)?;
+    Ok(connect_on(&c, dev, traffic_class, handle)?.map(Owned::into_token))
+}
+
+/// [`connect`] in context `c`.
+pub(super) fn connect_on(
+    c: &Ctx,
+    dev: i32,
+    traffic_class: Option<i32>,
+    handle: &mut [u8; HANDLE_SIZE],
+) -> Result<Option<Owned<Sender>>> {
     let stage = wire::read_stage(handle).map_err(|e| Error::bad_listen_handle(e.to_string()))?;
     let (rails, striped) =
         wire::decode_any(handle).map_err(|e| Error::bad_listen_handle(e.to_string()))?;
@@ -125,10 +144,7 @@ pub fn connect(
         Ok(true) => {
             wire::write_stage(handle, None);
             REG.connecting.remove(p);
-            Ok(Some(
-                REG.send
-                    .insert(Arc::new(Sender::new(comm, d.index, c.profiler))),
-            ))
+            Ok(Some(Owned::record(Sender::new(comm, d.index, c.profiler))))
         }
         Ok(false) => Ok(None),
         Err(e) => {
@@ -144,8 +160,12 @@ pub fn accept(listen: *mut c_void) -> Result<Option<*mut c_void>> {
     let l = REG.listen.get(listen).ok_or_else(|| {
         Error::bad_handle(format!("accept: {listen:p} is not a live Weft listen comm"))
     })?;
-    Ok(l.comm.accept()?.map(|comm| {
-        REG.recv
-            .insert(Arc::new(Receiver::new(comm, l.dev, l.profiler)))
-    }))
+    Ok(accept_on(&l)?.map(Owned::into_token))
+}
+
+/// [`accept`] on listener `l`.
+pub(super) fn accept_on(l: &Listener) -> Result<Option<Owned<Receiver>>> {
+    Ok(l.comm
+        .accept()?
+        .map(|comm| Owned::record(Receiver::new(comm, l.dev, l.profiler))))
 }

@@ -63,7 +63,8 @@ pub fn serial() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-fn token_of(serial: u64) -> *mut c_void {
+/// The token NCCL gets for the object recorded under `serial`.
+pub(crate) fn token_of(serial: u64) -> *mut c_void {
     std::ptr::without_provenance_mut(((serial << 4) | TOKEN_TAG) as usize)
 }
 
@@ -175,6 +176,13 @@ impl<T: ?Sized> Registry<T> {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&serial_of(p)?)
+    }
+    /// Forgets and returns the object recorded under `serial`.
+    pub fn remove_at(&self, serial: u64) -> Option<Arc<T>> {
+        self.map
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&serial)
     }
     /// Live objects.
     pub fn len(&self) -> usize {

@@ -11,7 +11,8 @@
 //! (contexts, the registries, start and teardown, the keeper's tick);
 //! `devices` the device numbering and virtual devices; `gdr` whether a
 //! device takes GPU memory; `connect` listen/connect/accept; `reg`
-//! registrations; `p2p` the data path; `close` the closes; [`handles`] the
+//! registrations; `p2p` the data path; `close` the closes; `owned` the
+//! typed API Weft's own modules use instead of tokens; [`handles`] the
 //! token registries, [`keeper`] the heartbeat thread, [`props`] NCCL's
 //! properties, [`profiler`] the profiler events.
 
@@ -23,6 +24,7 @@ pub mod handles;
 #[cfg(feature = "testing")]
 pub(crate) mod hooks;
 pub mod keeper;
+mod owned;
 mod p2p;
 pub mod profiler;
 pub mod props;
@@ -49,6 +51,8 @@ pub use connect::*;
 pub use devices::*;
 pub use gdr::*;
 use handles::{Registry, ReqKind};
+use owned::Owned;
+pub use owned::{Context, ListenComm, MemHandle, RecvComm, Request, SendComm};
 pub use p2p::*;
 use profiler::{Events, Profiler};
 pub use reg::*;

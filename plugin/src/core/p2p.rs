@@ -23,6 +23,25 @@ pub unsafe fn isend(
     let h = desc_for(mh, s.dev, data.cast(), size, "isend")?;
     // SAFETY: the buffer lies inside a live registration of NCCL's memory
     // (checked just above), which NCCL keeps until the request completes.
+    let q = unsafe { send_on(serial, &s, data, size, tag, &h, phandle) }?;
+    Ok(q.map(Request::into_token))
+}
+
+/// [`isend`] on send comm `s` (recorded under `serial`), the buffer checked
+/// against its handle `h`.
+///
+/// # Safety
+/// As for [`isend`].
+pub(super) unsafe fn send_on(
+    serial: u64,
+    s: &Sender,
+    data: *mut c_void,
+    size: usize,
+    tag: i32,
+    h: &MrHandle,
+    phandle: *mut c_void,
+) -> Result<Option<Request>> {
+    // SAFETY: the caller's contract.
     let Some(id) = unsafe { s.comm.isend(data.cast(), size, tag, &h.mems, phandle) }? else {
         return Ok(None);
     };
@@ -30,12 +49,11 @@ pub unsafe fn isend(
         id.slot,
         std::iter::once((phandle, profiler::OP_SEND, tag, size)),
     );
-    Ok(Some(handles::req_token(
-        ReqKind::Send,
-        serial,
-        id.slot,
-        id.gen,
-    )))
+    Ok(Some(Request {
+        kind: ReqKind::Send,
+        comm: serial,
+        id,
+    }))
 }
 
 /// One buffer of a grouped receive, as NCCL describes it.
@@ -70,6 +88,22 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
     for (h, a) in handles.iter_mut().zip(args) {
         *h = Some(desc_for(a.mhandle, r.dev, a.data.cast(), a.size, "irecv")?);
     }
+    // SAFETY: every buffer lies inside a live registration (checked above).
+    let q = unsafe { recv_on(serial, &r, args, &handles) }?;
+    Ok(q.map(Request::into_token))
+}
+
+/// [`irecv`] on receive comm `r` (recorded under `serial`): buffer `i` as
+/// `args[i]` says, registered with `handles[i]` (checked).
+///
+/// # Safety
+/// As for [`irecv`].
+pub(super) unsafe fn recv_on(
+    serial: u64,
+    r: &Receiver,
+    args: &[RecvArg],
+    handles: &[Option<Arc<MrHandle>>; props::MAX_RECVS],
+) -> Result<Option<Request>> {
     // The receive keeps each handle (its registrations) until it is done,
     // even past NCCL's deregMr (see `proto::Hold`).
     let holds: [Option<proto::Hold>; props::MAX_RECVS] =
@@ -90,7 +124,7 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
             hold: hold.as_ref(),
         };
     }
-    // SAFETY: every buffer lies inside a live registration (checked above).
+    // SAFETY: the caller's contract.
     let Some(id) = unsafe { r.comm.irecv(&bufs[..args.len()]) }? else {
         return Ok(None);
     };
@@ -99,12 +133,11 @@ pub unsafe fn irecv(comm: *mut c_void, args: &[RecvArg]) -> Result<Option<*mut c
         args.iter()
             .map(|a| (a.phandle, profiler::OP_RECV, a.tag, a.size)),
     );
-    Ok(Some(handles::req_token(
-        ReqKind::Recv,
-        serial,
-        id.slot,
-        id.gen,
-    )))
+    Ok(Some(Request {
+        kind: ReqKind::Recv,
+        comm: serial,
+        id,
+    }))
 }
 
 /// `iflush(recvComm, n, ..., mhandles)`: makes data the NIC wrote into
@@ -154,9 +187,15 @@ pub fn test(req: *mut c_void) -> Result<Option<Done>> {
     };
     let (kind, comm, slot, gen) = handles::req_parts(req).ok_or_else(not_ours)?;
     let id = ReqId { slot, gen };
-    match kind {
-        ReqKind::Send => REG.send.get_at(comm).ok_or_else(not_ours)?.test(id),
-        ReqKind::Recv => REG.recv.get_at(comm).ok_or_else(not_ours)?.test(id),
+    test_request(Request { kind, comm, id })
+        .ok_or_else(not_ours)?
+        .map_err(|e| e.context(format!("test({req:p})")))
+}
+
+/// Tests request `q`; `None` if its comm is closed.
+pub(super) fn test_request(q: Request) -> Option<Result<Option<Done>>> {
+    match q.kind {
+        ReqKind::Send => REG.send.get_at(q.comm).map(|s| s.test(q.id)),
+        ReqKind::Recv => REG.recv.get_at(q.comm).map(|r| r.test(q.id)),
     }
-    .map_err(|e| e.context(format!("test({req:p})")))
 }

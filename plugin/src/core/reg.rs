@@ -18,6 +18,20 @@ pub fn reg_mr(
     ptr_type: i32,
 ) -> Result<*mut c_void> {
     let (index, rails) = registering(comm, data, "regMr")?;
+    Ok(reg_mr_on(index, &rails, data, size, ptr_type)?.into_token())
+}
+
+/// [`reg_mr`] on device `index`, whose rails are `rails`.
+pub(super) fn reg_mr_on(
+    index: usize,
+    rails: &[Arc<DeviceState>],
+    data: *mut c_void,
+    size: usize,
+    ptr_type: i32,
+) -> Result<Owned<MrHandle>> {
+    if data.is_null() {
+        return Err(Error::internal("regMr: NULL address"));
+    }
     // A virtual device takes GPU memory only if every rail does: the rail
     // that decides (and that an error names) is the first that does not.
     let d = rails.iter().find(|r| !r.cuda).unwrap_or(&rails[0]);
@@ -37,7 +51,7 @@ pub fn reg_mr(
         }
     };
     // SAFETY: NCCL registers memory it owns and keeps allocated until deregMr.
-    register_on(index, &rails, data, size, |r| unsafe {
+    register_on(index, rails, data, size, |r| unsafe {
         r.mr.register_kind(data as usize, size, kind)
     })
 }
@@ -76,9 +90,10 @@ pub fn reg_mr_dma_buf(
     let dev = cuda_device(data, "regMrDmaBuf")?;
     // SAFETY: NCCL registers memory it owns and keeps allocated until
     // deregMr, and keeps `fd` open for this call.
-    register_on(index, &rails, data, size, |r| unsafe {
+    let h = register_on(index, &rails, data, size, |r| unsafe {
         r.mr.register_dmabuf(data as usize, size, dev, fd, offset)
-    })
+    })?;
+    Ok(h.into_token())
 }
 
 /// The device and rails of the comm a registration is for, and a check of
@@ -124,7 +139,7 @@ pub(super) fn register_on(
         &DeviceState,
     )
         -> std::result::Result<Arc<crate::mr::Region<crate::fabric::Mr>>, crate::mr::RegError>,
-) -> Result<*mut c_void> {
+) -> Result<Owned<MrHandle>> {
     let mut h = MrHandle {
         dev: index,
         addr: data as usize,
@@ -149,7 +164,7 @@ pub(super) fn register_on(
             }
         }
     }
-    Ok(REG.mr.insert(Arc::new(h)))
+    Ok(Owned::record(h))
 }
 
 /// Gives a handle's registrations back to their devices' caches.
@@ -162,16 +177,9 @@ pub(super) fn release(h: MrHandle) {
 /// `deregMr(comm, mhandle)`. Registrations belong to the device, so the comm
 /// argument is not needed (it may already be closed).
 pub fn dereg_mr(_comm: *mut c_void, mh: *mut c_void) -> Result<()> {
-    let h = REG.mr.remove(mh).ok_or_else(|| {
+    owned::close_token::<MrHandle>(mh).ok_or_else(|| {
         Error::bad_handle(format!("deregMr: {mh:p} is not a live Weft memory handle"))
-    })?;
-    // Normally the registry held the last reference; if a receive in
-    // flight (or a data-path call) still holds one, the registrations live
-    // until it lets go (see `proto::Hold`).
-    if let Ok(h) = Arc::try_unwrap(h) {
-        release(h);
-    }
-    Ok(())
+    })
 }
 
 /// The handle `mh` for `data..data+size` on device `dev` (its registrations
@@ -195,6 +203,19 @@ pub(super) fn desc_for(
             "{call}: {mh:p} is not a live Weft memory handle (deregistered, or not from this plugin)"
         ))
     })?;
+    check_range(&h, dev, data, size, call)?;
+    Ok(h)
+}
+
+/// Checks that `data..data+size` on device `dev` lies inside the range NCCL
+/// registered with `h` (not merely inside the pages it covers).
+pub(super) fn check_range(
+    h: &MrHandle,
+    dev: usize,
+    data: *const u8,
+    size: usize,
+    call: &str,
+) -> Result<()> {
     if h.dev != dev {
         return Err(Error::internal(format!(
             "{call}: memory handle registered on device {} used on device {dev}",
@@ -208,5 +229,5 @@ pub(super) fn desc_for(
             h.addr, h.len
         )));
     }
-    Ok(h)
+    Ok(())
 }
