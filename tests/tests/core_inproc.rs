@@ -735,3 +735,88 @@ fn strict_mr_switch_reaches_the_domain(provider: &str) {
     core::finalize(ctx).unwrap();
 }
 weft_tests::each!(strict_mr_switch_reaches_the_domain: tcp_rdma, tcp_sendrecv);
+
+/// The typed API Weft's own modules use (`core::Context`, `SendComm`, …):
+/// a message goes through it as through the tokens; dropping a memory
+/// handle deregisters it; and an object still held after the last
+/// finalize is closed by it (its use fails, it keeps no device open).
+fn typed_api(provider: &str) {
+    use weft_tests::poll_until;
+    let ctx = init(provider);
+    let c = core::Context::of(ctx).unwrap();
+    let mut h = [0u8; weft::nccl::HANDLE_SIZE];
+    let l = c.listen(0, &mut h).unwrap();
+    let (mut s, mut r) = (None, None);
+    poll_until("a typed connect and accept", || {
+        if s.is_none() {
+            s = c.connect(0, None, &mut h).unwrap();
+        }
+        if r.is_none() {
+            r = l.accept().unwrap();
+        }
+        (s.is_some() && r.is_some()).then_some(())
+    });
+    let (s, r) = (s.unwrap(), r.unwrap());
+    drop(l);
+    let src = pattern(1, 9, 5000);
+    let mut dst = vec![0u8; 5000];
+    let entries = || core::device_stats(0).unwrap().mr_entries;
+    let before = entries();
+    let smh = s
+        .reg_mr(src.as_ptr() as *mut _, src.len(), core::props::PTR_HOST)
+        .unwrap();
+    let rmh = r
+        .reg_mr(dst.as_mut_ptr().cast(), dst.len(), core::props::PTR_HOST)
+        .unwrap();
+    assert_eq!(entries(), before + 2, "{provider}: two registrations");
+    let rq = poll_until("irecv", || {
+        // SAFETY: both buffers are registered and outlive the requests.
+        let q = unsafe { r.irecv(dst.as_mut_ptr().cast(), 5000, 9, &rmh) };
+        q.unwrap()
+    });
+    let sq = poll_until("isend", || {
+        // SAFETY: as above.
+        let q = unsafe { s.isend(src.as_ptr() as *mut _, 5000, 9, &smh) };
+        q.unwrap()
+    });
+    let (mut sd, mut rd) = (None, None);
+    poll_until("the typed requests", || {
+        if sd.is_none() {
+            sd = sq.test().unwrap();
+        }
+        if rd.is_none() {
+            rd = rq.test().unwrap();
+        }
+        (sd.is_some() && rd.is_some()).then_some(())
+    });
+    assert_eq!(rd.unwrap().sizes[0], 5000, "{provider}: received size");
+    assert!(dst == src, "{provider}: payload differs");
+    assert!(sq.test().is_err(), "{provider}: a finished request is gone");
+    drop((smh, rmh));
+    assert_eq!(
+        entries(),
+        before,
+        "{provider}: dropping a MemHandle deregisters it"
+    );
+    core::finalize(ctx).unwrap();
+    let e = s
+        .reg_mr(src.as_ptr() as *mut _, src.len(), core::props::PTR_HOST)
+        .expect_err("a comm used after the last finalize");
+    assert!(
+        e.to_string().contains("after the last finalize"),
+        "{provider}: {e}"
+    );
+    drop((s, r));
+}
+
+#[test]
+fn tcp_typed_api() {
+    weft_tests::isolated!();
+    typed_api("tcp");
+}
+
+#[test]
+fn shm_typed_api() {
+    weft_tests::isolated!();
+    typed_api("shm");
+}

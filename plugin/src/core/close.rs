@@ -29,6 +29,13 @@ pub fn close_listen(comm: *mut c_void) -> Result<()> {
     })
 }
 
+/// Closes connected comm `c`, taken out of its registry: its profiler
+/// events end, and it is dropped here ([`last_ref`]).
+pub(super) fn closed<C: proto::Comm + ?Sized>(c: Arc<Connected<C>>, call: &str) {
+    c.events.stop_all();
+    last_ref(c, call);
+}
+
 /// Drops a closed comm here, once nobody else holds it: its drop is the
 /// close (it waits until the provider is done with NCCL's buffers), and
 /// NCCL frees or reuses them as soon as the close returns. The keeper holds

@@ -29,8 +29,7 @@ impl Closing for Sender {
         &REG.send
     }
     fn close(v: Arc<Self>) {
-        v.events.stop_all();
-        close::last_ref(v, Self::CALL);
+        close::closed(v, Self::CALL);
     }
 }
 
@@ -40,8 +39,7 @@ impl Closing for Receiver {
         &REG.recv
     }
     fn close(v: Arc<Self>) {
-        v.events.stop_all();
-        close::last_ref(v, Self::CALL);
+        close::closed(v, Self::CALL);
     }
 }
 
@@ -71,10 +69,15 @@ impl Closing for MrHandle {
 }
 
 /// A live object of the core owned by a Weft module; dropping it closes it.
+/// The registry holds the object; this holds its serial number and a weak
+/// reference, so that the last finalize, which empties the registries,
+/// closes it as it closes what NCCL left open (its use then fails).
 #[derive(Debug)]
 pub struct Owned<T: Closing> {
     serial: u64,
-    v: Option<Arc<T>>,
+    v: Weak<T>,
+    /// Closed on drop (not once handed to NCCL).
+    owns: bool,
 }
 
 impl<T: Closing> Owned<T> {
@@ -83,29 +86,31 @@ impl<T: Closing> Owned<T> {
         let v = Arc::new(v);
         let serial = handles::serial();
         T::registry().insert_at(serial, Arc::clone(&v));
-        Self { serial, v: Some(v) }
+        Self {
+            serial,
+            v: Arc::downgrade(&v),
+            owns: true,
+        }
     }
     /// Hands the object to NCCL: it stays recorded, and its token is what
     /// NCCL passes back (and closes it with).
     pub fn into_token(mut self) -> *mut c_void {
-        self.v = None;
+        self.owns = false;
         handles::token_of(self.serial)
     }
-    fn get(&self) -> &Arc<T> {
-        self.v
-            .as_ref()
-            .expect("an Owned holds its object until dropped")
+    fn get(&self) -> Result<Arc<T>> {
+        self.v.upgrade().ok_or_else(|| {
+            Error::bad_handle(
+                "a comm or memory handle of Weft's own was used after the last finalize closed it",
+            )
+        })
     }
 }
 
 impl<T: Closing> Drop for Owned<T> {
     fn drop(&mut self) {
-        if let Some(v) = self.v.take() {
-            // Gone from the registry already only after the last finalize
-            // (which closed it); the object then goes with this reference.
-            let recorded = T::registry().remove_at(self.serial);
-            if recorded.is_some() {
-                drop(recorded);
+        if self.owns {
+            if let Some(v) = T::registry().remove_at(self.serial) {
                 T::close(v);
             }
         }
@@ -156,7 +161,8 @@ pub struct ListenComm(pub(super) Owned<Listener>);
 impl ListenComm {
     /// One step of `accept` (see [`accept`]).
     pub fn accept(&self) -> Result<Option<RecvComm>> {
-        connect::accept_on(self.0.get()).map(|r| r.map(RecvComm))
+        let l = self.0.get()?;
+        connect::accept_on(&l).map(|r| r.map(RecvComm))
     }
     /// Hands it to NCCL.
     pub fn into_token(self) -> *mut c_void {
@@ -181,24 +187,14 @@ impl SendComm {
         tag: i32,
         mh: &MemHandle,
     ) -> Result<Option<Request>> {
-        let s = self.0.get();
-        reg::check_range(mh.0.get(), s.dev, data.cast(), size, "isend")?;
+        let (s, h) = (self.0.get()?, mh.0.get()?);
+        reg::check_range(&h, s.dev, data.cast(), size, "isend")?;
         // SAFETY: the caller's contract; the range lies in `mh` (just checked).
-        unsafe {
-            p2p::send_on(
-                self.0.serial,
-                s,
-                data,
-                size,
-                tag,
-                mh.0.get(),
-                std::ptr::null_mut(),
-            )
-        }
+        unsafe { p2p::send_on(self.0.serial, &s, data, size, tag, &h, std::ptr::null_mut()) }
     }
     /// `regMr` through this comm (see [`reg_mr`]).
     pub fn reg_mr(&self, data: *mut c_void, size: usize, ptr_type: i32) -> Result<MemHandle> {
-        let s = self.0.get();
+        let s = self.0.get()?;
         reg::reg_mr_on(s.dev, s.comm.rails(), data, size, ptr_type).map(MemHandle)
     }
     /// Hands it to NCCL.
@@ -224,8 +220,8 @@ impl RecvComm {
         tag: i32,
         mh: &MemHandle,
     ) -> Result<Option<Request>> {
-        let r = self.0.get();
-        reg::check_range(mh.0.get(), r.dev, data.cast(), size, "irecv")?;
+        let (r, h) = (self.0.get()?, mh.0.get()?);
+        reg::check_range(&h, r.dev, data.cast(), size, "irecv")?;
         let arg = RecvArg {
             data,
             size,
@@ -234,13 +230,13 @@ impl RecvComm {
             phandle: std::ptr::null_mut(),
         };
         let mut handles: [Option<Arc<MrHandle>>; props::MAX_RECVS] = Default::default();
-        handles[0] = Some(Arc::clone(mh.0.get()));
+        handles[0] = Some(h);
         // SAFETY: the caller's contract; the range lies in `mh` (just checked).
-        unsafe { p2p::recv_on(self.0.serial, r, &[arg], &handles) }
+        unsafe { p2p::recv_on(self.0.serial, &r, &[arg], &handles) }
     }
     /// `regMr` through this comm (see [`reg_mr`]).
     pub fn reg_mr(&self, data: *mut c_void, size: usize, ptr_type: i32) -> Result<MemHandle> {
-        let r = self.0.get();
+        let r = self.0.get()?;
         reg::reg_mr_on(r.dev, r.comm.rails(), data, size, ptr_type).map(MemHandle)
     }
 }
