@@ -1,6 +1,6 @@
 //! The version matrix: every exported net table x {tcp;ofi_rxm on lo, shm}
 //! x {rdma, sendrecv}, each cell in a process of its own (`weft-demo --cell`), driven the way
-//! that version's NCCL drives a plugin (tests/src/matrix.rs); and every
+//! that version's NCCL drives a plugin (tests/src/matrix/); and every
 //! CollNet table x {tcp;ofi_rxm, shm} (`weft-demo --collnet-cell`, a group
 //! of two ranks: tests/src/collnet_cell.rs). Prints one table of results
 //! with the number of checks; any failing cell fails.
