@@ -19,8 +19,11 @@ pub(super) trait Closing: Sized + 'static {
     const CALL: &'static str;
     /// The registry the object is recorded in.
     fn registry() -> &'static Registry<Self>;
-    /// Closes an object already taken out of its registry.
-    fn close(v: Arc<Self>);
+    /// Closes an object already taken out of its registry (by default,
+    /// by dropping it).
+    fn close(v: Arc<Self>) {
+        drop(v);
+    }
 }
 
 impl Closing for Sender {
@@ -47,9 +50,6 @@ impl Closing for Listener {
     const CALL: &'static str = "closeListen";
     fn registry() -> &'static Registry<Self> {
         &REG.listen
-    }
-    fn close(v: Arc<Self>) {
-        drop(v);
     }
 }
 

@@ -182,14 +182,7 @@ impl Tracker {
                 // SAFETY: each request is live until reported done; `sizes[i]`
                 // has room for any n.
                 let r = unsafe { n.test(self.reqs[i], &mut d, self.sizes[i].as_mut_ptr()) };
-                if r != 0 {
-                    return Err(c.fail(
-                        "test",
-                        format_args!("request #{i}"),
-                        "ncclSuccess",
-                        format_args!("result {r}"),
-                    ));
-                }
+                c.rc("test", format_args!("request #{i}"), r)?;
                 self.done[i] = d == 1;
             }
         }
@@ -236,14 +229,7 @@ unsafe fn isend_progress(
     until("isend request", || {
         // SAFETY: forwarded NCCL conventions.
         let r = unsafe { n.isend(s, data as *mut c_void, size, tag, mh, &mut req) };
-        if r != 0 {
-            return Err(c.fail(
-                "isend",
-                format_args!("size={size}, tag={tag}"),
-                "ncclSuccess",
-                format_args!("result {r}"),
-            ));
-        }
+        c.rc("isend", format_args!("size={size}, tag={tag}"), r)?;
         if req.is_null() {
             // SAFETY: forwarded.
             unsafe { other.poll(n, c)? };
@@ -281,14 +267,8 @@ unsafe fn irecv(
     until("irecv request", || {
         // SAFETY: forwarded NCCL conventions.
         let rc = unsafe { n.irecv(r, bufs, sizes, tags, mhs, &mut req) };
-        if rc != 0 {
-            return Err(c.fail(
-                "irecv",
-                format_args!("n={}, sizes={sizes:?}, tags={tags:?}", bufs.len()),
-                "ncclSuccess",
-                format_args!("result {rc}"),
-            ));
-        }
+        let args = format_args!("n={}, sizes={sizes:?}, tags={tags:?}", bufs.len());
+        c.rc("irecv", args, rc)?;
         Ok(!req.is_null() && req as usize != 0x1)
     })?;
     c.n += 1;
@@ -477,7 +457,7 @@ unsafe fn devices(n: &dyn Net, c: &mut Checks) -> Res<c_int> {
                 return Err(c.fail(
                     "getProperties",
                     d,
-                    "ncclSuccess",
+                    "ncclSuccess (0)",
                     format_args!("result {r}"),
                 ))
             }
