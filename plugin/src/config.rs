@@ -634,6 +634,7 @@ pub fn load() -> Result<Config, ConfigError> {
 }
 
 /// Renders a parameter table in the README's Markdown form.
+#[cfg(any(test, feature = "testing"))]
 pub fn markdown_table(params: &[Param]) -> String {
     let mut s = String::from("| Variable | Default | Accepted | Meaning |\n|---|---|---|---|\n");
     for p in params {

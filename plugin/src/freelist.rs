@@ -12,8 +12,7 @@
 //!   failed growth (allocation or registration) leaves the list exactly as it was.
 //! * `alloc`/`free` are O(1), LIFO, take no lock and never allocate: a stack of
 //!   free indices with its capacity reserved at growth time. The caller owns the
-//!   list (one per comm, under the comm's lock); [`SyncFreelist`] wraps one in a
-//!   mutex for the few places shared across threads.
+//!   list (one per comm, under the comm's lock).
 //! * Debug builds keep a state per entry: a double free or a foreign element
 //!   panics with a message, and dropping a list with elements still out is
 //!   reported. Freed buffers are poisoned through the memory source's hook (a
@@ -21,7 +20,6 @@
 
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::Mutex;
 
 /// A registration descriptor carried by every element of a registered block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,10 +185,12 @@ pub struct HostPages;
 /// buffers whose metadata (the `Elem`s) lives on the host, as the freelist
 /// was designed for.
 #[derive(Debug, Clone, Copy)]
+#[cfg(feature = "testing")]
 pub struct CudaMemory {
     pub dev: i32,
 }
 
+#[cfg(feature = "testing")]
 impl MemorySource for CudaMemory {
     fn alloc(&self, bytes: usize) -> Result<NonNull<u8>, String> {
         crate::gpu::driver()
@@ -488,6 +488,7 @@ impl<S: MemorySource, R: Registrar> Freelist<S, R> {
     }
 
     /// Elements in block `b` (all but the last are full).
+    #[cfg(test)]
     fn block_len(&self, b: usize) -> usize {
         if b + 1 < self.blocks.len() {
             self.per_block
@@ -497,6 +498,7 @@ impl<S: MemorySource, R: Registrar> Freelist<S, R> {
     }
 
     /// The index of the element whose buffer starts at `ptr`, if it is one.
+    #[cfg(test)]
     pub fn index_of(&self, ptr: *const u8) -> Option<u32> {
         let a = ptr as usize;
         self.blocks.iter().enumerate().find_map(|(bi, b)| {
@@ -559,30 +561,6 @@ impl<S: MemorySource, R: Registrar> Drop for Freelist<S, R> {
                         // SAFETY: each block was allocated by this source with this size.
             unsafe { self.source.free(base, bytes) };
         }
-    }
-}
-
-/// A freelist shared across threads (a mutex around one).
-pub struct SyncFreelist<S: MemorySource, R: Registrar = NoRegistration>(Mutex<Freelist<S, R>>);
-
-impl<S: MemorySource, R: Registrar> fmt::Debug for SyncFreelist<S, R> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("SyncFreelist").finish()
-    }
-}
-
-impl<S: MemorySource, R: Registrar> SyncFreelist<S, R> {
-    /// Wraps a list.
-    pub fn new(list: Freelist<S, R>) -> Self {
-        Self(Mutex::new(list))
-    }
-    /// [`Freelist::alloc`] under the lock.
-    pub fn alloc(&self) -> Result<Elem, FreelistError> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).alloc()
-    }
-    /// [`Freelist::free`] under the lock.
-    pub fn free(&self, e: Elem) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).free(e)
     }
 }
 

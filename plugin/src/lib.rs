@@ -12,7 +12,30 @@
 //! names win.) `tests/tests/symbols.rs` runs `nm -D --defined-only` on the
 //! built library and fails on any other exported symbol.
 
-pub mod adapter;
+/// Declares the crate's layers: public to Weft's own tests (cargo feature
+/// `testing`, which only `weft-tests` turns on), crate-private in the shipped
+/// library, so that what NCCL loads exposes nothing but its tables and what no
+/// table reaches is dead code the compiler reports. The two binaries reach
+/// what they need through [`tools`].
+macro_rules! layers {
+    ($($(#[$attr:meta])* $name:ident),* $(,)?) => {$(
+        $(#[$attr])*
+        #[cfg(feature = "testing")]
+        pub mod $name;
+        $(#[$attr])*
+        #[cfg(not(feature = "testing"))]
+        pub(crate) mod $name;
+    )*};
+}
+
+layers!(
+    adapter, collnet, config, core, device, error, fabric, freelist, gpu, log, memkind, mr, nccl,
+    proto
+);
+
+#[cfg(feature = "testing")]
+pub mod testing;
+pub mod tools;
 
 /// The NCCL releases that pick each net API version (from each release's
 /// plugin loader): NCCL looks up the newest table it knows.
@@ -26,21 +49,6 @@ pub const NCCL_RELEASES: &[(u32, &str)] = &[
     (11, "2.28-2.29"),
     (12, "2.30-"),
 ];
-pub mod collnet;
-pub mod config;
-pub mod core;
-pub mod device;
-pub mod error;
-pub mod fabric;
-pub mod freelist;
-pub mod gpu;
-pub mod log;
-pub mod memkind;
-pub mod mr;
-pub mod nccl;
-pub mod proto;
-#[cfg(feature = "testing")]
-pub mod testing;
 
 // The exported tables: one line per API version and family, generated from
 // the descriptors in `weft-api` by `weft-macros`. Every member is served but

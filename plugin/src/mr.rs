@@ -294,11 +294,13 @@ fn described(mr: Result<Mr, FiError>) -> Result<Option<(Mr, MrDesc)>, String> {
 /// Registers a freelist's blocks as memory of one kind (a GPU-backed
 /// freelist's: `MemKind::Cuda(dev)`).
 #[derive(Debug, Clone)]
+#[cfg(feature = "testing")]
 pub struct KindRegistrar {
     pub domain: DomainRegistrar,
     pub kind: MemKind,
 }
 
+#[cfg(feature = "testing")]
 impl Registrar for KindRegistrar {
     type Registration = Mr;
     unsafe fn register(

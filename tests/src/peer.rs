@@ -130,7 +130,7 @@ impl Peer {
 }
 
 /// Hex encoding of bytes, as the peer processes print and read handles.
-pub use weft::proto::wire::hex;
+pub use weft::nccl::hex;
 
 /// A handle from hex (an error naming what was wrong).
 pub fn unhex(s: &str) -> Result<[u8; 128], String> {
@@ -142,7 +142,7 @@ pub fn unhex(s: &str) -> Result<[u8; 128], String> {
 
 /// Bytes from hex.
 pub fn unhex_bytes(s: &str) -> Result<Vec<u8>, String> {
-    weft::proto::wire::unhex(s).ok_or_else(|| format!("{s:?} is not hex bytes"))
+    weft::nccl::unhex(s).ok_or_else(|| format!("{s:?} is not hex bytes"))
 }
 
 /// A receiving process started with `exe --serve <version> --provider <p>

@@ -15,7 +15,8 @@
 //! 6. `core` (the version-free plugin: contexts, devices, registrations, the keeper);
 //! 7. `collnet`;
 //! 8. `adapter` (the C boundary the generated tables call), `testing` (the
-//!    hooks and framing only Weft's tests use, cargo feature `testing`).
+//!    hooks and framing only Weft's tests use, cargo feature `testing`),
+//!    `tools` (what the `weft` and `weft-reducer` programs use).
 //!
 //! `lib.rs` (the crate root, with the generated tables) and the binaries
 //! sit above everything.
@@ -34,7 +35,7 @@ const LAYERS: &[&[&str]] = &[
     &["proto"],
     &["core"],
     &["collnet"],
-    &["adapter", "testing"],
+    &["adapter", "testing", "tools"],
 ];
 
 fn layer(module: &str) -> Option<usize> {
@@ -207,6 +208,79 @@ fn no_import_runs_against_the_layers() {
         report.is_empty(),
         "imports against the layers:\n{}",
         report.join("\n")
+    );
+}
+
+/// What a crate root declares: the modules named in its `layers!` call
+/// (public only under the `testing` feature), and the modules it declares
+/// `pub` in a build without that feature.
+fn root_surface(file: &syn::File) -> (Vec<String>, Vec<String>) {
+    let mut layered = Vec::new();
+    let mut public = Vec::new();
+    for item in &file.items {
+        match item {
+            syn::Item::Macro(m) if m.mac.path.is_ident("layers") => {
+                let names = m
+                    .mac
+                    .parse_body_with(
+                        syn::punctuated::Punctuated::<syn::Ident, syn::Token![,]>::parse_terminated,
+                    )
+                    .expect("layers!(a, b, ...)");
+                layered.extend(names.iter().map(|i| i.to_string()));
+            }
+            syn::Item::Mod(m) if matches!(m.vis, syn::Visibility::Public(_)) => {
+                let testing_only = m.attrs.iter().any(|a| {
+                    a.path().is_ident("cfg")
+                        && a.meta.require_list().is_ok_and(|l| {
+                            l.tokens.to_string().replace(' ', "") == "feature=\"testing\""
+                        })
+                });
+                if !testing_only {
+                    public.push(m.ident.to_string());
+                }
+            }
+            _ => {}
+        }
+    }
+    (layered, public)
+}
+
+/// The shipped library (built without the `testing` feature) makes every
+/// layer crate-private: the `layers!` call in lib.rs names each module of
+/// LAYERS but `testing` (which exists only under the feature) and `tools`
+/// (the one public module, for the two programs), and lib.rs declares no
+/// other public module. With that, code only tests use is dead code in a
+/// release build, and CI's `cargo clippy -p weft` fails on it.
+#[test]
+fn the_shipped_library_makes_its_layers_private() {
+    weft_tests::isolated!();
+    let sources = weft_tests::plugin_sources();
+    let (_, lib) = sources
+        .iter()
+        .find(|(rel, _)| rel.as_path() == Path::new("lib.rs"))
+        .expect("plugin/src/lib.rs");
+    let (mut layered, public) = root_surface(&syn::parse_file(lib).expect("lib.rs parses"));
+    layered.sort();
+    let mut want: Vec<String> = LAYERS
+        .iter()
+        .flat_map(|l| l.iter())
+        .filter(|m| !["testing", "tools"].contains(m))
+        .map(|m| m.to_string())
+        .collect();
+    want.sort();
+    assert_eq!(layered, want, "lib.rs's layers! call and LAYERS differ");
+    assert_eq!(public, ["tools"], "public modules of the shipped library");
+    // And the check can fail: a module declared `pub` outright is found,
+    // one declared `pub` only under the feature is not.
+    let (l, p) = root_surface(
+        &syn::parse_str(
+            "layers!(a, b);\n#[cfg(feature = \"testing\")] pub mod testing;\npub mod proto;",
+        )
+        .unwrap(),
+    );
+    assert_eq!(
+        (l, p),
+        (vec!["a".into(), "b".into()], vec!["proto".to_owned()])
     );
 }
 

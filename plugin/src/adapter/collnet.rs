@@ -126,6 +126,8 @@ pub unsafe fn regMr(a: args::regMr) -> Result<()> {
 /// # Safety
 /// As for every member: NCCL's arguments, as its C declaration says.
 pub unsafe fn deregMr(a: args::deregMr) -> Result<()> {
+    // The handle records its comm: `collComm` is not needed to find it.
+    let _ = a.collComm;
     cn::dereg_mr(a.mhandle)
 }
 /// Writes NULL to NCCL's request slot first (so an error leaves no
@@ -219,6 +221,8 @@ pub unsafe fn ireducescatter(a: args::ireducescatter) -> Result<()> {
 /// # Safety
 /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
 pub unsafe fn iflush(a: args::iflush) -> Result<()> {
+    // Host memory: the buffer (`data`, `size`, `mhandle`) needs no flush.
+    let _ = (a.data, a.size, a.mhandle);
     cn::device_of(a.collComm)?;
     // SAFETY: NCCL's output slot (NULL is refused).
     unsafe { write(a.request, std::ptr::null_mut(), "request") }

@@ -7,7 +7,11 @@
 #![forbid(unsafe_code)]
 #![allow(non_camel_case_types)]
 
+// A namespace for the generated tables: a type no current version uses is
+// still here for the next one.
+#[allow(unused_imports)]
 pub use std::ffi::{c_char, c_int, c_long, c_uint, c_ulong, c_void};
+#[allow(unused_imports)]
 pub use std::primitive::{f32, f64, i16, i32, i64, i8, isize, u16, u32, u64, u8, usize};
 
 /// `ncclResult_t` (a C enum: `int`).

@@ -141,9 +141,19 @@ pub unsafe fn connect(a: args::connect) -> Result<()> {
 /// # Safety
 /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
 pub unsafe fn accept(a: args::accept) -> Result<()> {
-    // SAFETY: NCCL's output slot (NULL is refused).
-    let out = unsafe { out_ref(a.recvComm, "recvComm")? };
+    // SAFETY: NCCL's output slots (NULL is refused, or means "absent"
+    // for the device handle).
+    let (out, dc) = unsafe {
+        (
+            out_ref(a.recvComm, "recvComm")?,
+            out_ref(a.recvDevComm, "recvDevComm").ok(),
+        )
+    };
     *out = std::ptr::null_mut();
+    // No device offload: a device-handle slot, if any, stays NULL.
+    if let Some(dc) = dc {
+        *dc = std::ptr::null_mut();
+    }
     if let Some(c) = core::accept(a.listenComm)? {
         *out = c;
     }
@@ -261,6 +271,10 @@ pub unsafe fn irecv(a: args::irecv) -> Result<()> {
 /// # Safety
 /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
 pub unsafe fn iflush(a: args::iflush) -> Result<()> {
+    // What a flush orders is the device's writes, whichever buffers they
+    // went to: the memory handles say which device; `data` and `sizes`
+    // are not needed.
+    let _ = (a.data, a.sizes);
     // SAFETY: NCCL's output slot (NULL is refused).
     let out = unsafe { out_ref(a.request, "request")? };
     *out = std::ptr::null_mut();
@@ -336,5 +350,6 @@ pub unsafe fn finalize(a: args::finalize) -> Result<()> {
 /// # Safety
 /// As for every member: NCCL's arguments, as its C declaration says.
 pub unsafe fn setNetAttr(a: args::setNetAttr) -> Result<()> {
+    let _ = a.netAttr; // not read: see above
     core::check_ctx(a.ctx)
 }

@@ -19,8 +19,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use nccl_net_weft::collnet::reducer::Reducer;
-use nccl_net_weft::core;
+use nccl_net_weft::tools::{self, Reducer};
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
@@ -78,7 +77,7 @@ fn main() -> ExitCode {
         "TRACE" => tracing::Level::TRACE,
         _ => tracing::Level::INFO,
     };
-    nccl_net_weft::log::to_stderr(level);
+    tools::log_to_stderr(level);
     for sig in [libc::SIGINT, libc::SIGTERM] {
         // SAFETY: the handler only stores to an atomic (async-signal-safe).
         unsafe {
@@ -88,7 +87,7 @@ fn main() -> ExitCode {
             )
         };
     }
-    let ctx = match core::init(core::InitArgs {
+    let ctx = match tools::init(tools::InitArgs {
         traffic_class: -1,
         ..Default::default()
     }) {
@@ -105,7 +104,7 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let hex = nccl_net_weft::proto::wire::hex(&r.handle());
+    let hex = tools::hex(&r.handle());
     if let Some(path) = &a.handle_file {
         let tmp = path.with_extension("tmp");
         if let Err(e) =
@@ -115,13 +114,13 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     }
-    let name = core::properties(a.dev)
+    let name = tools::properties(a.dev)
         .map(|p| p.name.to_string_lossy().into_owned())
         .unwrap_or_default();
     tracing::info!(
         "weft-reducer: serving on device {} ({name}), protocol {}",
         a.dev,
-        core::protocol_name().unwrap_or("?")
+        tools::protocol_name().unwrap_or("?")
     );
     let mut out = std::io::stdout();
     let _ = writeln!(out, "handle {hex}").and_then(|_| out.flush());
@@ -139,6 +138,6 @@ fn main() -> ExitCode {
     if let Some(path) = &a.handle_file {
         let _ = std::fs::remove_file(path);
     }
-    let _ = core::finalize(ctx);
+    let _ = tools::finalize(ctx);
     ExitCode::SUCCESS
 }

@@ -18,9 +18,8 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use nccl_net_weft::config::{Config, Source};
-use nccl_net_weft::device::{self, Outcome};
 use nccl_net_weft::net_v12::{ncclNetCommConfig_v12_t, ncclNetProperties_v12_t, ncclNet_v12_t};
+use nccl_net_weft::tools::{self, Config, Outcome, Source};
 use nccl_net_weft::NCCL_RELEASES;
 use serde_json::{json, Value};
 
@@ -187,19 +186,19 @@ fn tables(lib: &Lib) -> Vec<Value> {
 
 fn report(lib: &Lib) -> Result<Value, String> {
     let config = Config::from_env().map_err(|e| e.to_string())?;
-    let (providers, found) = device::survey(&config).map_err(|e| e.to_string())?;
-    let (protocol, why) = nccl_net_weft::proto::choose(config.protocol, &found)?;
+    let (providers, found) = tools::survey(&config).map_err(|e| e.to_string())?;
+    let (protocol, why) = tools::choose_protocol(config.protocol, &found)?;
     // GPU memory: the driver, and per device whether the provider offers
     // FI_HMEM (the rest of the claim, a registration of device memory, is
     // the plugin's INFO line at init and ptrSupport below).
     let gpu = json!({
-        "driver": match nccl_net_weft::gpu::driver() {
+        "driver": match tools::gpu_driver() {
             Ok(d) => format!("usable, {} CUDA device(s)", d.devices()),
             Err(e) => e.to_string(),
         },
         "fi_hmem": found
             .iter()
-            .map(|d| match (&d.hmem, nccl_net_weft::gpu::driver()) {
+            .map(|d| match (&d.hmem, tools::gpu_driver()) {
                 (_, Err(_)) => format!("{}: not asked (no usable CUDA driver)", d.domain),
                 (Ok(()), _) => format!("{}: offered", d.domain),
                 (Err(why), _) => format!("{}: {why}", d.domain),

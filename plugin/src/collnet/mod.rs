@@ -447,6 +447,7 @@ pub fn test(req: *mut c_void) -> Result<Option<usize>> {
 
 /// Payload bytes group `c`'s rank sent and received in collectives so far
 /// (what a bench prints per worker).
+#[cfg(feature = "testing")]
 pub fn bytes_moved(c: *mut c_void) -> Result<(u64, u64)> {
     let g = comm(c, "bytes")?;
     Ok((

@@ -108,19 +108,25 @@ pub(super) fn connect_on(
     let (comm, p) = match stage {
         None => {
             let tc = traffic_class.unwrap_or(c.traffic_class);
+            if tc != -1 {
+                // libfabric sets a traffic class per endpoint
+                // (`tx_attr.tclass`), and a device's endpoints carry every
+                // comm of it: one comm's class cannot be applied alone.
+                tracing::debug!(target: "weft::connect", "device {dev}: traffic class {tc} asked; not applied (endpoints are shared by the device's comms)");
+            }
             let comm: Arc<dyn proto::Sender> = if d.virtual_ {
                 let members = d
                     .rails
                     .iter()
                     .zip(&rails)
-                    .map(|(r, h)| c.plugin.protocol.connect(Arc::clone(r), h, tc))
+                    .map(|(r, h)| c.plugin.protocol.connect(Arc::clone(r), h))
                     .collect::<Result<Vec<_>>>()?;
                 Arc::new(proto::stripe::StripedSend::new(
                     members,
                     c.plugin.config.stripe_size,
                 )?)
             } else {
-                c.plugin.protocol.connect(Arc::clone(&d.rails[0]), h, tc)?
+                c.plugin.protocol.connect(Arc::clone(&d.rails[0]), h)?
             };
             let p = REG.connecting.insert(Arc::clone(&comm));
             wire::write_stage(handle, Some(p as usize));

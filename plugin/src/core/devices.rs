@@ -36,6 +36,7 @@ pub(super) fn device(plugin: &Plugin, dev: i32) -> Result<Dev> {
 }
 
 /// Physical device `dev` (test hooks and counters are per physical device).
+#[cfg(feature = "testing")]
 pub(super) fn physical(plugin: &Plugin, dev: i32) -> Result<Arc<DeviceState>> {
     let d = device(plugin, dev)?;
     if d.virtual_ {
@@ -98,6 +99,7 @@ pub fn properties(dev: i32) -> Result<Properties> {
 }
 
 /// Counters of a device, for tests and benchmarks.
+#[cfg(feature = "testing")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceStats {
     /// Registration-cache hits.
@@ -111,6 +113,7 @@ pub struct DeviceStats {
 }
 
 /// Counters of device `dev`.
+#[cfg(feature = "testing")]
 pub fn device_stats(dev: i32) -> Result<DeviceStats> {
     let d = physical(&*plugin()?, dev)?;
     let (mr_hits, mr_misses) = d.mr.stats();

@@ -115,6 +115,7 @@ pub(super) fn dmabuf_claim(domain: &Arc<Domain>, gpu: i32) -> std::result::Resul
 /// A freelist of GPU `gpu`'s memory registered on device `dev` (as
 /// `FI_HMEM_CUDA`): elements carry the block's descriptor like host ones.
 /// Needs a device that claims CUDA.
+#[cfg(feature = "testing")]
 pub fn gpu_freelist(
     dev: i32,
     gpu: i32,

@@ -34,7 +34,9 @@ use std::ffi::c_void;
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Instant;
 
-pub use crate::error::{Code, Error, Kind, Result};
+pub use crate::error::{Code, Error, Result};
+#[cfg(feature = "testing")]
+pub use crate::error::Kind;
 pub use crate::proto::{DeviceState, Done};
 pub use props::Properties;
 
@@ -49,7 +51,9 @@ use crate::proto::{self, heartbeat_period, Protocol, RecvBuf, ReqId};
 pub use close::*;
 pub use connect::*;
 pub use devices::*;
-pub use gdr::*;
+#[cfg(feature = "testing")]
+pub use gdr::gpu_freelist;
+use gdr::{dmabuf_claim, gpu_claim};
 use handles::{Registry, ReqKind};
 use owned::Owned;
 pub use owned::{Context, ListenComm, MemHandle, RecvComm, Request, SendComm};
@@ -93,8 +97,6 @@ struct Dev {
 /// A context: per communicator (v11+) or the one process context (older).
 #[derive(Debug)]
 pub struct Ctx {
-    /// `commId` (0 for the process context).
-    pub comm_id: u64,
     /// The communicator's traffic class (-1: undefined).
     pub traffic_class: i32,
     /// NCCL's profiler callback (v10+), for net events.
@@ -372,8 +374,8 @@ pub fn init_with(args: InitArgs, config: Option<Config>) -> Result<*mut c_void> 
         Some(r) => r,
         None => g.insert(start(config)?),
     };
+    tracing::debug!(target: "weft::init", "context for communicator {:#x} (0: the process context), traffic class {}", args.comm_id, args.traffic_class);
     Ok(REG.ctx.insert(Arc::new(Ctx {
-        comm_id: args.comm_id,
         traffic_class: args.traffic_class,
         // SAFETY: NCCL passes its ncclProfilerCallback (or nothing).
         profiler: unsafe { Profiler::from_addr(args.profiler.unwrap_or(0)) },

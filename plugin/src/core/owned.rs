@@ -164,10 +164,6 @@ impl ListenComm {
         let l = self.0.get()?;
         connect::accept_on(&l).map(|r| r.map(RecvComm))
     }
-    /// Hands it to NCCL.
-    pub fn into_token(self) -> *mut c_void {
-        self.0.into_token()
-    }
 }
 
 /// A send comm; dropping it is `closeSend`.
@@ -196,10 +192,6 @@ impl SendComm {
     pub fn reg_mr(&self, data: *mut c_void, size: usize, ptr_type: i32) -> Result<MemHandle> {
         let s = self.0.get()?;
         reg::reg_mr_on(s.dev, s.comm.rails(), data, size, ptr_type).map(MemHandle)
-    }
-    /// Hands it to NCCL.
-    pub fn into_token(self) -> *mut c_void {
-        self.0.into_token()
     }
 }
 
@@ -245,12 +237,6 @@ impl RecvComm {
 #[derive(Debug)]
 pub struct MemHandle(pub(super) Owned<MrHandle>);
 
-impl MemHandle {
-    /// Hands it to NCCL.
-    pub fn into_token(self) -> *mut c_void {
-        self.0.into_token()
-    }
-}
 
 /// A request in flight: its comm (by serial number, as NCCL's token names
 /// it) and its slot.

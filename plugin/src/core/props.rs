@@ -14,13 +14,11 @@ pub const PTR_HOST: i32 = 0x1;
 pub const PTR_CUDA: i32 = 0x2;
 /// `NCCL_PTR_DMABUF`.
 pub const PTR_DMABUF: i32 = 0x4;
-pub use crate::proto::{MAX_RECVS, MAX_REQUESTS};
+pub use crate::proto::MAX_RECVS;
 /// NCCL's own fallback speed when a NIC reports none (Mbit/s).
 pub const DEFAULT_SPEED_MBPS: i32 = 10_000;
 /// `NCCL_MAX_NET_SIZE_BYTES`: NCCL refuses `maxP2pBytes` above 1 TiB.
 pub const MAX_NET_SIZE_BYTES: usize = 1 << 40;
-/// Capacity of `vProps.devs` in the newest API.
-pub const MAX_DEVS_PER_NIC: usize = 8;
 
 /// Everything any API version reports for a device.
 #[derive(Debug, Clone, PartialEq)]

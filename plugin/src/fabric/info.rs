@@ -118,6 +118,7 @@ impl InfoList {
     }
 
     /// True when no provider matched.
+    #[cfg(feature = "testing")]
     pub fn is_empty(&self) -> bool {
         self.head.is_none()
     }
@@ -246,7 +247,7 @@ impl<'a> InfoRef<'a> {
         self.domain_attr().map_or(0, |a| a.cq_data_size)
     }
     /// An owned copy of this entry alone.
-    pub fn to_owned(&self) -> Result<OwnedInfo, FiError> {
+    pub fn to_owned(self) -> Result<OwnedInfo, FiError> {
         // SAFETY: fi_dupinfo deep-copies one entry (the copy's `next` is NULL).
         let p = unsafe { fi::fi_dupinfo(self.0) };
         NonNull::new(p)

@@ -78,6 +78,7 @@ impl LocalEp {
 }
 
 /// Endpoints of this process open now.
+#[cfg(feature = "testing")]
 pub fn open_endpoints() -> usize {
     table()
         .live

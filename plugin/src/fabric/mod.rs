@@ -17,9 +17,9 @@ mod info;
 pub mod local;
 mod mr;
 
-pub use av::{Av, FiAddr};
+pub use av::FiAddr;
 pub use cq::{is_remote_write, Completion, CompletionError, Cq, CqError};
-pub use domain::{Domain, DomainOptions, Fabric};
+pub use domain::{Domain, DomainOptions};
 pub use ep::Endpoint;
 pub use error::{strerror, FiError};
 pub use info::{Hints, InfoList, InfoRef, OwnedInfo};
@@ -84,14 +84,13 @@ pub fn rxm_eager_limit() -> usize {
 /// `FI_MR_ENDPOINT`: binds `domain`'s registrations to `ep` from now on
 /// (Weft binds them to each device's passive hub endpoint; exported for
 /// tests of the fabric layer). `ep` must outlive them.
+#[cfg(feature = "testing")]
 pub fn bind_registrations_to(domain: &Domain, ep: &Endpoint) {
     domain.set_mr_endpoint(ep.raw());
 }
 
 /// Provider names as libfabric spells them.
 pub mod provider {
-    /// TCP through the RxM utility provider (reliable datagrams over TCP).
-    pub const TCP_RXM: &str = "tcp;ofi_rxm";
     /// Shared memory (single host).
     pub const SHM: &str = "shm";
 }

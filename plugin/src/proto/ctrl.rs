@@ -57,7 +57,7 @@ pub(crate) enum Posts {
 
 /// A control message to comm `id` from a comm with `token`, as it travels
 /// (Weft itself frames in place; this is for tests and forged peers).
-#[cfg(any(test, feature = "testing"))]
+#[cfg(feature = "testing")]
 pub fn frame(id: u32, token: u32, msg: &Ctrl) -> Vec<u8> {
     let mut b = [0u8; CTRL_HEAD + CTRL_MAX];
     let n = frame_into(&mut b, id, token, msg);

@@ -239,11 +239,6 @@ impl Graves {
         self.map.insert(id, g);
     }
 
-    /// Whether `id` has a grave.
-    pub fn has(&self, id: u32) -> bool {
-        self.map.contains_key(&id)
-    }
-
     /// The provider returned receive `local` of grave `id`: it took a
     /// message (delivered or truncated), gave it back (cancelled), or
     /// failed it (the peer's connection broke: nothing more comes, and

@@ -33,7 +33,7 @@ pub mod stripe;
 pub(crate) mod sync;
 pub mod wire;
 
-pub use ctrl::{frame_head, CTRL_HEAD};
+#[cfg(feature = "testing")]
 pub use handshake::MAX_PENDING;
 use wire::ListenHandle;
 
@@ -223,7 +223,6 @@ pub trait Protocol: Send + Sync + std::fmt::Debug {
         &self,
         dev: Arc<DeviceState>,
         handle: &ListenHandle,
-        traffic_class: i32,
     ) -> Result<Arc<dyn Sender>>;
 }
 

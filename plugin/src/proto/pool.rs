@@ -67,6 +67,7 @@ impl<T: Copy> Pool<T> {
     }
 
     /// The address range of all slots.
+    #[cfg(test)]
     pub fn range(&self) -> std::ops::Range<usize> {
         self.range.clone()
     }
@@ -82,6 +83,7 @@ impl<T: Copy> Pool<T> {
     }
 
     /// The slot whose address is `p`, whether live or not.
+    #[cfg(test)]
     pub fn index_of(&self, p: *const u8) -> Option<u32> {
         // One block: slots are contiguous, `elem_size` apart.
         if !self.range.contains(&(p as usize)) {

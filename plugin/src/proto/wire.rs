@@ -35,7 +35,7 @@
 
 #![forbid(unsafe_code)]
 
-pub use crate::nccl::{handle_from_hex, hex, unhex, HANDLE_SIZE};
+pub use crate::nccl::HANDLE_SIZE;
 /// First bytes of every Weft handle.
 pub const HANDLE_MAGIC: [u8; 4] = *b"WEFT";
 /// Version of the handle and handshake format.

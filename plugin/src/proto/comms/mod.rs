@@ -206,14 +206,8 @@ impl Protocol for OnHub {
         &self,
         dev: Arc<DeviceState>,
         handle: &ListenHandle,
-        traffic_class: i32,
     ) -> Result<Arc<dyn Sender>> {
-        Ok(Arc::new(SendComm::start(
-            dev,
-            self.0,
-            handle,
-            traffic_class,
-        )?))
+        Ok(Arc::new(SendComm::start(dev, self.0, handle)?))
     }
 }
 

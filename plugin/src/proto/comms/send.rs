@@ -20,8 +20,6 @@ use crate::fabric::FiAddr;
 /// A sending comm (also the state of a `connect` in progress).
 pub struct SendComm {
     dev: Arc<DeviceState>,
-    /// NCCL's traffic class (-1: undefined). Kept; no provider here applies one.
-    pub traffic_class: i32,
     listener_nonce: u64,
     seat: Seat,
     inner: Mutex<SendState>,
@@ -94,7 +92,6 @@ impl SendComm {
         dev: Arc<DeviceState>,
         path: Path,
         handle: &ListenHandle,
-        traffic_class: i32,
     ) -> Result<Self> {
         let seat = Seat::new(&dev, Port::Active)?;
         let listener = Peer::insert(seat.ep(), &handle.addr).map_err(|e| {
@@ -116,7 +113,6 @@ impl SendComm {
         let peer = PeerLink::new(&seat);
         Ok(Self {
             dev,
-            traffic_class,
             listener_nonce: handle.nonce,
             seat,
             inner: Mutex::new(SendState {
