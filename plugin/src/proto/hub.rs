@@ -91,14 +91,14 @@ pub enum Port {
 #[derive(Debug)]
 pub enum Ev {
     /// A control message: the sending comm's token, the source address,
-    /// and the message's bytes.
+    /// and where its bytes are in the [`Mail`] it came in.
     Ctrl {
         /// The token in its header.
         token: u32,
         /// Where it came from (`FI_ADDR_NOTAVAIL`: a source not in the AV).
         src: FiAddr,
-        /// The message.
-        bytes: Vec<u8>,
+        /// The message's bytes: `Mail::bytes[at.0 .. at.0 + at.1]`.
+        at: (u32, u32),
     },
     /// An operation the comm posted finished: the low 32 bits of its
     /// context, and the length (of a received message).
@@ -118,13 +118,59 @@ pub enum Ev {
 /// at most). What is dropped beyond it is counted for the comm.
 pub const INBOX_MAX: usize = 4096;
 
+/// What an inbox delivered: its events in arrival order and, in one buffer,
+/// the bytes of their control messages. A comm keeps one and swaps it with
+/// its inbox's on every read ([`Inbox::take`]), so after the first messages
+/// neither side allocates: the two buffers keep their capacity.
+#[derive(Debug, Default)]
+pub struct Mail {
+    events: Vec<Ev>,
+    bytes: Vec<u8>,
+}
+
+impl Mail {
+    /// Hands each event, with its control message's bytes (empty for the
+    /// others), to `f` in arrival order, and empties the mail. An error
+    /// from `f` stops there: the rest is dropped.
+    pub fn drain<E>(
+        &mut self,
+        mut f: impl FnMut(Ev, &[u8]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let Self { events, bytes } = self;
+        let r = events.drain(..).try_for_each(|ev| {
+            let b = match ev {
+                Ev::Ctrl { at: (at, len), .. } => &bytes[at as usize..(at + len) as usize],
+                _ => &[][..],
+            };
+            f(ev, b)
+        });
+        bytes.clear();
+        r
+    }
+    fn push(&mut self, ev: Ev, bytes: &[u8]) {
+        let ev = match ev {
+            Ev::Ctrl { token, src, .. } => {
+                let at = (self.bytes.len() as u32, bytes.len() as u32);
+                self.bytes.extend_from_slice(bytes);
+                Ev::Ctrl { token, src, at }
+            }
+            other => other,
+        };
+        self.events.push(ev);
+    }
+    fn clear(&mut self) {
+        self.events.clear();
+        self.bytes.clear();
+    }
+}
+
 /// A comm's mailbox at the hub. Once the comm knows its peer's token
 /// ([`Inbox::expect`]), the hub queues only control messages that carry it,
 /// and at most one `Alive` at a time: what anyone else sends, or a peer's
 /// flood while the host is busy elsewhere, costs no memory.
 #[derive(Debug, Default)]
 pub struct Inbox {
-    events: Mutex<Vec<Ev>>,
+    mail: Mutex<Mail>,
     /// The peer's token (0: any, while connecting or listening).
     token: std::sync::atomic::AtomicU32,
     /// An `Alive` is queued.
@@ -136,10 +182,13 @@ pub struct Inbox {
 }
 
 impl Inbox {
-    /// Everything delivered since the last call, in arrival order.
-    pub fn take(&self) -> Vec<Ev> {
+    /// Everything delivered since the last call, in arrival order, into
+    /// `mail` (emptied first): the inbox keeps `mail`'s buffers for what
+    /// comes next.
+    pub fn take(&self, mail: &mut Mail) {
+        mail.clear();
         self.alive.store(false, Ordering::Relaxed);
-        std::mem::take(&mut *lock(&self.events))
+        std::mem::swap(&mut *lock(&self.mail), mail);
     }
     /// From now on only control messages with `token` are queued.
     pub fn expect(&self, token: u32) {
@@ -152,8 +201,9 @@ impl Inbox {
             self.overflowed.load(Ordering::Relaxed),
         )
     }
-    fn push(&self, ev: Ev) {
-        if let Ev::Ctrl { token, bytes, .. } = &ev {
+    /// Queues `ev` (`bytes`: a control message's, else empty).
+    fn push(&self, ev: Ev, bytes: &[u8]) {
+        if let Ev::Ctrl { token, .. } = &ev {
             let want = self.token.load(Ordering::Relaxed);
             let stranger = want != 0 && *token != want;
             if stranger
@@ -163,13 +213,13 @@ impl Inbox {
                 return;
             }
         }
-        let mut q = lock(&self.events);
-        if q.len() >= INBOX_MAX && matches!(ev, Ev::Ctrl { .. }) {
+        let mut q = lock(&self.mail);
+        if q.events.len() >= INBOX_MAX && matches!(ev, Ev::Ctrl { .. }) {
             self.dropped.fetch_add(1, Ordering::Relaxed);
             self.overflowed.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        q.push(ev);
+        q.push(ev, bytes);
     }
 }
 
@@ -399,7 +449,7 @@ impl Hub {
         }
         let boxes = self.boxes.read().unwrap_or_else(|e| e.into_inner());
         let graves = port == Port::Passive;
-        let deliver = |id: u32, ev: Ev| {
+        let deliver = |id: u32, ev: Ev, bytes: &[u8]| {
             match &ev {
                 Ev::Done(local, _) | Ev::Failed(local, _) if graves && is_grave(*local) => {
                     let how = match &ev {
@@ -413,9 +463,9 @@ impl Hub {
                 _ => {}
             }
             match boxes.get(&id) {
-                Some(b) => b.push(ev),
+                Some(b) => b.push(ev, bytes),
                 None => {
-                    if let Ev::Ctrl { token, bytes, .. } = &ev {
+                    if let Ev::Ctrl { token, .. } = &ev {
                         if graves && lock(&self.graves).on_ctrl(&p.ep, id, *token, bytes) {
                             return;
                         }
@@ -452,7 +502,7 @@ impl Hub {
                         return Ok(());
                     }
                     let ctx = e.context as usize as u64;
-                    deliver((ctx >> 32) as u32, Ev::Failed(ctx as u32, e));
+                    deliver((ctx >> 32) as u32, Ev::Failed(ctx as u32, e), &[]);
                     Ok(())
                 }
             }
@@ -473,37 +523,37 @@ fn on_done(
     wide: bool,
     ctrl: &mut CtrlBufs,
     ep: &Endpoint,
-    deliver: impl Fn(u32, Ev),
+    deliver: impl Fn(u32, Ev, &[u8]),
 ) -> Result<()> {
     if let Some(i) = ctrl.find(c.op_context) {
         // One of the hub's control buffers, whatever the message claims to
         // be: Weft sends no message with remote CQ data, so one that has it
-        // is dropped, and the buffer is always posted again.
+        // is dropped, and the buffer is always posted again once its bytes
+        // are in the comm's inbox.
         let foreign = c.flags & fi::FI_REMOTE_CQ_DATA as u64 != 0;
-        let framed = unframe(ctrl.bytes(i, c.len))
-            .filter(|_| !foreign)
-            .map(|(id, token, b)| (id, token, b.to_vec()));
-        ctrl.repost(ep, i)?;
-        match framed {
-            Some((id, token, bytes)) => deliver(id, Ev::Ctrl { token, src, bytes }),
+        match unframe(ctrl.bytes(i, c.len)).filter(|_| !foreign) {
+            Some((id, token, bytes)) => {
+                let at = (0, 0);
+                deliver(id, Ev::Ctrl { token, src, at }, bytes)
+            }
             None => tracing::debug!(
                 "hub: dropped a message of {} bytes that is no Weft control message",
                 c.len
             ),
         }
-        return Ok(());
+        return ctrl.repost(ep, i);
     }
     if c.flags & u64::from(fi::FI_RECV) == 0 && crate::fabric::is_remote_write(c) {
         // The size comes from the immediate or a control message, never
         // from `len` (0 for a remote write on tcp;ofi_rxm 1.17).
         let imm = c.data as u32;
         let hi = wide.then_some((c.data >> 32) as u32);
-        deliver(imm >> 8, Ev::Landed(imm as u8, hi));
+        deliver(imm >> 8, Ev::Landed(imm as u8, hi), &[]);
         return Ok(());
     }
     // A comm's own operation (a send, a write, a tagged receive).
     let ctx = c.op_context as usize as u64;
-    deliver((ctx >> 32) as u32, Ev::Done(ctx as u32, c.len));
+    deliver((ctx >> 32) as u32, Ev::Done(ctx as u32, c.len), &[]);
     Ok(())
 }
 

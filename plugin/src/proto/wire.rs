@@ -303,6 +303,11 @@ pub fn write_stage(h: &mut [u8; HANDLE_SIZE], ptr: Option<usize>) {
 }
 
 /// A control message.
+///
+/// An `Rtr` holds its entries inline (336 bytes for the enum), so that
+/// decoding one allocates nothing (`tests/tests/alloc.rs`): moving that
+/// much costs less than a heap allocation per message.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Ctrl {
     /// connect -> listener: "here is my endpoint".
@@ -356,7 +361,7 @@ pub enum Ctrl {
         /// The receive request's slot (named again by the writes' immediates).
         slot: u8,
         /// One entry per buffer.
-        bufs: Vec<RtrBuf>,
+        bufs: Entries<RtrBuf>,
     },
     /// RDMA sender -> receiver: buffer `sub` of request `slot` gets `size`
     /// bytes (written, or being written, with an immediate naming it).
@@ -405,9 +410,13 @@ pub enum Ctrl {
     /// an announced receive (see the comms module's "Tagged").
     Posted {
         /// 1 ..= [`super::MAX_RECVS`] entries, one per tag.
-        counts: Vec<(i32, u32)>,
+        counts: Entries<(i32, u32)>,
     },
 }
+
+/// The entries of a control message that lists some (at most one per
+/// buffer of a grouped receive): held inline, so decoding allocates nothing.
+pub type Entries<T> = arrayvec::ArrayVec<T, { super::MAX_RECVS }>;
 
 /// One buffer offered by an [`Ctrl::Rtr`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -479,6 +488,18 @@ const POSTED_HEAD: usize = 8;
 const POSTED_ENTRY: usize = 8;
 /// Where the address of a Conn or Ack starts.
 const ADDR_AT: usize = 28;
+
+/// An [`Ctrl::Eager`] read in place, `(tag, idx, data)`: what a receive
+/// comm copies into NCCL's buffer straight from the hub's (None: `buf` is
+/// no well-formed eager message).
+pub fn eager(buf: &[u8]) -> Option<(i32, u32, &[u8])> {
+    let head = buf.get(..EAGER_HEAD)?;
+    let ok = head[6] == KIND_EAGER
+        && head[..4] == CTRL_MAGIC.to_le_bytes()
+        && head[4..6] == HANDLE_VERSION.to_le_bytes();
+    let u32_at = |i: usize| u32::from_le_bytes(head[i..i + 4].try_into().expect("4 bytes"));
+    ok.then(|| (u32_at(8) as i32, u32_at(12), &buf[EAGER_HEAD..]))
+}
 
 /// Whether `buf` (a received control message) is an [`Ctrl::Alive`]: read
 /// without decoding, by whoever queues messages.
@@ -634,7 +655,8 @@ impl Ctrl {
         out.extend_from_slice(data);
     }
 
-    /// Decodes and validates `buf` (exactly the received bytes).
+    /// Decodes and validates `buf` (exactly the received bytes). An eager
+    /// message's bytes are copied; [`eager`] reads one in place.
     pub fn decode(buf: &[u8]) -> Result<Self, CtrlError> {
         if buf.len() < 12 {
             return Err(CtrlError::Truncated(buf.len()));
@@ -686,7 +708,7 @@ impl Ctrl {
                             ticket: u32_at(at + 32),
                         }
                     })
-                    .collect();
+                    .collect(); // n <= MAX_RECVS (`entries`)
                 Ok(Ctrl::Rtr {
                     seq: u32_at(8),
                     slot: buf[12],
@@ -710,11 +732,14 @@ impl Ctrl {
                 count: u32::from_le_bytes(buf[8..12].try_into().expect("4 bytes")),
             }),
             KIND_ALIVE => Ok(Ctrl::Alive),
-            KIND_EAGER if buf.len() >= EAGER_HEAD => Ok(Ctrl::Eager {
-                tag: u32_at(8) as i32,
-                idx: u32_at(12),
-                data: buf[EAGER_HEAD..].to_vec(),
-            }),
+            KIND_EAGER if buf.len() >= EAGER_HEAD => {
+                let (tag, idx, data) = eager(buf).expect("an eager message's header");
+                Ok(Ctrl::Eager {
+                    tag,
+                    idx,
+                    data: data.to_vec(),
+                })
+            }
             KIND_BYE => Ok(Ctrl::Bye { sent: u32_at(8) }),
             KIND_POSTED => {
                 let n = entries(buf, POSTED_HEAD, POSTED_ENTRY, CtrlError::PostedCount)?;
@@ -1016,7 +1041,7 @@ mod tests {
                 size: 9,
             },
             Ctrl::Posted {
-                counts: vec![(-1, u32::MAX)],
+                counts: [(-1, u32::MAX)].into_iter().collect(),
             },
             Ctrl::Posted {
                 counts: (0..super::super::MAX_RECVS as u32)
@@ -1033,7 +1058,7 @@ mod tests {
     fn posted_names_one_to_eight_tags_and_all_of_them() {
         let mut b = [0u8; CTRL_MAX];
         let n = Ctrl::Posted {
-            counts: vec![(1, 2), (3, 4)],
+            counts: [(1, 2), (3, 4)].into_iter().collect(),
         }
         .encode(&mut b);
         assert_eq!(n, 24);

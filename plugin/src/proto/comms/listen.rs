@@ -168,12 +168,13 @@ impl ListenComm {
     /// Reads what arrived, answers Conns and steps every handshake; what is
     /// confirmed or failed is kept in `book` for `accept`.
     fn turn(&self, book: &mut Book) -> Result<()> {
-        for ev in self.seat.poll()? {
+        self.seat.poll(|ev, bytes| {
             match ev {
-                Ev::Ctrl { token, bytes, .. } => self.on_ctrl(&mut book.shakes, token, &bytes)?,
+                Ev::Ctrl { token, .. } => self.on_ctrl(&mut book.shakes, token, bytes)?,
                 other => tracing::warn!("listener: ignored {other:?}"),
             }
-        }
+            Ok(())
+        })?;
         let now = Instant::now();
         loop {
             match book

@@ -112,7 +112,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::ctrl::{send_ctrl_to, silent_peer, warn_dead, Link};
-use super::hub::{Ev, Hub, Inbox, Port};
+use super::hub::{Ev, Hub, Inbox, Mail, Port};
 use super::pool::Pool;
 #[cfg(feature = "testing")]
 use super::sync::hold;
@@ -220,6 +220,8 @@ struct Seat {
     id: u32,
     token: u32,
     inbox: Arc<Inbox>,
+    /// What the last read took from the inbox (its buffers are reused).
+    mail: Mutex<Mail>,
 }
 
 impl Seat {
@@ -235,6 +237,7 @@ impl Seat {
             id,
             token,
             inbox,
+            mail: Mutex::new(Mail::default()),
         })
     }
 
@@ -252,10 +255,14 @@ impl Seat {
         self.hub.ep(self.port)
     }
 
-    /// Progresses the port and returns what arrived for this comm.
-    fn poll(&self) -> Result<Vec<Ev>> {
+    /// Progresses the port and hands what arrived for this comm to `f`,
+    /// in arrival order, with each control message's bytes (see
+    /// [`Mail::drain`]). Allocates nothing once the mail's buffers grew.
+    fn poll(&self, f: impl FnMut(Ev, &[u8]) -> Result<()>) -> Result<()> {
         self.hub.progress(self.port)?;
-        Ok(self.inbox.take())
+        let mut mail = lock(&self.mail);
+        self.inbox.take(&mut mail);
+        mail.drain(f)
     }
 }
 

@@ -13,7 +13,7 @@ use crate::fabric::CompletionError;
 
 use super::super::grave::{Closed, GRAVE_TAGS};
 use super::super::pool::Pool;
-use super::super::wire::RtrBuf;
+use super::super::wire::{Entries, RtrBuf};
 use super::super::wire::{context, data_tag};
 use super::super::{Comm, Done, Hold, Mem, Receiver, RecvBuf, ReqId, MAX_RECVS, MAX_REQUESTS};
 use super::*;
@@ -94,6 +94,8 @@ struct RecvState {
     /// Eager messages that arrived before their receive was posted
     /// (at most EAGER_CREDITS).
     stash: HashMap<(i32, u32), Vec<u8>>,
+    /// Buffers of stashed messages since taken, for the next ones.
+    spare: Vec<Vec<u8>>,
     /// Credits to return (rdma: eager messages consumed; tagged: messages
     /// matched).
     credits_owed: u32,
@@ -145,6 +147,7 @@ impl RecvComm {
                 offsets,
                 next_idx: HashMap::new(),
                 stash: HashMap::new(),
+                spare: Vec::new(),
                 credits_owed: 0,
                 to_post: VecDeque::new(),
                 matched: 0,
@@ -405,24 +408,25 @@ impl Side for RecvState {
             // Only take back what the provider still holds.
             self.to_post.clear();
             self.cancel_posted(seat);
-            for ev in seat.poll()? {
+            return seat.poll(|ev, bytes| {
                 if seat.is_from_peer(&mut self.peer.link, &ev) {
-                    self.on_event(ev);
+                    self.on_event(ev, bytes);
                 }
-            }
-            return Ok(());
+                Ok(())
+            });
         }
         self.peer.flush(seat.ep())?;
         if self.credits_owed >= self.path.credits().1 {
             let count = std::mem::take(&mut self.credits_owed);
             self.peer.send(seat.ep(), Ctrl::Credit { count })?;
         }
-        for ev in seat.poll()? {
+        seat.poll(|ev, bytes| {
             if seat.is_from_peer(&mut self.peer.link, &ev) {
                 self.peer.link.heard = true;
-                self.on_event(ev);
+                self.on_event(ev, bytes);
             }
-        }
+            Ok(())
+        })?;
         self.post_pending(seat)
     }
 }
@@ -497,10 +501,10 @@ impl RecvState {
             .any(|i| self.reqs.get(i).is_some_and(|r| r.posted != 0))
     }
 
-    fn on_event(&mut self, ev: Ev) {
+    fn on_event(&mut self, ev: Ev, bytes: &[u8]) {
         match ev {
             Ev::Landed(local, hi) => self.on_landed(local >> 3, local & 7, hi),
-            Ev::Ctrl { bytes, .. } => self.on_ctrl(&bytes),
+            Ev::Ctrl { .. } => self.on_ctrl(bytes),
             Ev::Done(local, len) => self.on_received(local, Ok(len)),
             Ev::Failed(local, e) => self.on_received(local, Err(e)),
         }
@@ -522,6 +526,7 @@ impl RecvState {
         for (i, b) in bufs.iter().enumerate() {
             if let Some(data) = self.stash.remove(&(b.tag, idxs[i])) {
                 self.fill(slot, i as u8, &data);
+                self.spare.push(data);
             }
         }
         if self.peer.bye_heard {
@@ -637,7 +642,7 @@ impl RecvState {
     fn announce_posted(&mut self, seat: &Seat) -> Result<()> {
         while !self.announce.is_empty() {
             let n = self.announce.len().min(MAX_RECVS);
-            let counts: Vec<(i32, u32)> = self.announce.drain(..n).collect();
+            let counts: Entries<(i32, u32)> = self.announce.drain(..n).collect();
             self.peer.send(seat.ep(), Ctrl::Posted { counts })?;
         }
         Ok(())
@@ -704,22 +709,24 @@ impl RecvState {
 
     /// The buffer a peer's message names, if it is one in flight.
     fn buffer(&mut self, slot: u8, sub: u8, what: &str) -> Option<&mut RReq> {
-        let name = self.peer.link.name.clone();
-        let r = self
+        let slot32 = u32::from(slot);
+        if !self
             .reqs
-            .get_mut(u32::from(slot))
-            .filter(|r| sub < r.n && !r.finished());
-        if r.is_none() {
+            .get(slot32)
+            .is_some_and(|r| sub < r.n && !r.finished())
+        {
             tracing::warn!(
-                "receive comm from {name}: ignored {what} for buffer {sub} of request slot {slot}, which is not in flight"
+                "receive comm from {}: ignored {what} for buffer {sub} of request slot {slot}, which is not in flight",
+                self.peer.link.name
             );
+            return None;
         }
-        r
+        self.reqs.get_mut(slot32)
     }
 
     /// Eager message `idx` of `tag`: into its receive if posted, else kept
     /// until it is.
-    fn on_eager(&mut self, tag: i32, idx: u32, data: Vec<u8>) {
+    fn on_eager(&mut self, tag: i32, idx: u32, data: &[u8]) {
         let found = self.reqs.live().find_map(|i| {
             let r = self.reqs.get(i)?;
             (0..r.n)
@@ -730,9 +737,13 @@ impl RecvState {
                 .map(|s| (i, s))
         });
         match found {
-            Some((slot, sub)) => self.fill(slot, sub, &data),
+            Some((slot, sub)) => self.fill(slot, sub, data),
             None if self.stash.len() < EAGER_CREDITS as usize => {
-                self.stash.insert((tag, idx), data);
+                // Into a buffer an earlier stashed message left.
+                let mut kept = self.spare.pop().unwrap_or_default();
+                kept.clear();
+                kept.extend_from_slice(data);
+                self.stash.insert((tag, idx), kept);
             }
             None => tracing::warn!(
                 "receive comm from {}: dropped an eager message beyond its {EAGER_CREDITS} credits (tag {tag})",
@@ -784,6 +795,11 @@ impl RecvState {
     }
 
     fn on_ctrl(&mut self, bytes: &[u8]) {
+        // The message of the data path, read in place (no copy but the one
+        // into NCCL's buffer).
+        if let Some((tag, idx, data)) = super::super::wire::eager(bytes) {
+            return self.on_eager(tag, idx, data);
+        }
         match Ctrl::decode(bytes) {
             Ok(Ctrl::Alive) => {}
             Ok(Ctrl::Bye { sent }) => {
@@ -800,7 +816,6 @@ impl RecvState {
                     r.size(sub, size, true);
                 }
             }
-            Ok(Ctrl::Eager { tag, idx, data }) => self.on_eager(tag, idx, data),
             Ok(Ctrl::Failed { slot, sub, err }) => {
                 if let Some(r) = self.buffer(slot, sub, "a failed write") {
                     r.failed.get_or_insert((sub, err));

@@ -1,7 +1,7 @@
 //! The sending side: the connecting half of the handshake, credits, and
 //! both data paths (the receiver's offers and writes; tagged sends).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,11 +11,14 @@ use libfabric_sys as fi;
 use super::super::ctrl::{frame_head, Peer, CTRL_HEAD};
 use super::super::handshake::{self, nonce, Connecting, Phase};
 use super::super::pool::Pool;
-use super::super::wire::RtrBuf;
+use super::super::wire::{Entries, RtrBuf};
 use super::super::wire::{context, data_tag, immediate, NO_SIZE};
 use super::super::{Comm, Done, Mem, ReqId, MAX_RECVS, MAX_REQUESTS};
 use super::*;
 use crate::fabric::FiAddr;
+
+/// An Rtr that came ahead of its turn: the request slot and its buffers.
+type Early = (u8, Entries<RtrBuf>);
 
 /// A sending comm (also the state of a `connect` in progress).
 pub struct SendComm {
@@ -55,9 +58,10 @@ struct SendState {
     reqs: Pool<SReq>,
     /// Offered buffers, oldest first.
     offers: VecDeque<Offer>,
-    /// The Rtr expected next, and those that arrived ahead of it.
+    /// The Rtr expected next, and those that arrived ahead of it (at
+    /// most [`MAX_REQUESTS`] ahead: Rtr `seq` waits at `seq % MAX_REQUESTS`).
     next_seq: u32,
-    early: BTreeMap<u32, (u8, Vec<RtrBuf>)>,
+    early: Box<[Option<Early>]>,
     /// Messages sent so far per tag (the next message's number).
     sent: HashMap<i32, u32>,
     /// Messages the receiver still has room for (rdma: eager ones; tagged:
@@ -124,7 +128,7 @@ impl SendComm {
                 reqs,
                 offers: VecDeque::with_capacity(MAX_REQUESTS * MAX_RECVS),
                 next_seq: 0,
-                early: BTreeMap::new(),
+                early: vec![None; MAX_REQUESTS].into_boxed_slice(),
                 sent: HashMap::new(),
                 credits: 0,
                 max_credits: 0,
@@ -619,20 +623,19 @@ impl Side for SendState {
     }
     fn progress(&mut self, seat: &Seat) -> Result<()> {
         self.peer.flush(seat.ep())?;
-        for ev in seat.poll()? {
+        seat.poll(|ev, bytes| {
             match ev {
-                Ev::Ctrl { token, src, bytes } => {
+                Ev::Ctrl { token, src, .. } => {
                     if self.connect.phase() != Phase::Ready {
                         // Only an Ack, from the listener's endpoint, is
                         // taken before the handshake is done.
-                        self.on_ack(seat, token, src, &bytes)?;
-                        continue;
+                        return self.on_ack(seat, token, src, bytes);
                     }
                     if !self.peer.link.is_from_peer(token, src, seat.hub.sources()) {
-                        continue;
+                        return Ok(());
                     }
                     self.peer.link.heard = true;
-                    self.on_ctrl(&bytes);
+                    self.on_ctrl(bytes);
                 }
                 Ev::Done(local, _) => {
                     if let Some(r) = self.reqs.get_mut(local).filter(|r| !r.done) {
@@ -661,7 +664,8 @@ impl Side for SendState {
                     tracing::debug!("send comm: ignored a write into its memory")
                 }
             }
-        }
+            Ok(())
+        })?;
         // The receiver said Bye: once none of this comm's writes is in
         // flight, the answering Bye tells it nothing more will land, so its
         // close can return.
@@ -711,16 +715,18 @@ impl SendState {
             Ok(Ctrl::Rtr { seq, slot, bufs })
                 if self.path == Path::Rdma && !self.peer.bye_heard =>
             {
-                if usize::from(slot) >= MAX_REQUESTS || self.early.len() >= MAX_REQUESTS {
+                let ahead = seq.wrapping_sub(self.next_seq) as usize;
+                if usize::from(slot) >= MAX_REQUESTS || ahead >= MAX_REQUESTS {
                     tracing::warn!(
-                        "send comm to {}: ignored an offer for request slot {slot} ({} early)",
+                        "send comm to {}: ignored an offer for request slot {slot}, number {seq} ({ahead} ahead of the next)",
                         self.peer.link.name,
-                        self.early.len()
                     );
                     return;
                 }
-                self.early.insert(seq, (slot, bufs));
-                while let Some((slot, bufs)) = self.early.remove(&self.next_seq) {
+                self.early[seq as usize % MAX_REQUESTS] = Some((slot, bufs));
+                while let Some((slot, bufs)) =
+                    self.early[self.next_seq as usize % MAX_REQUESTS].take()
+                {
                     self.next_seq = self.next_seq.wrapping_add(1);
                     for (sub, buf) in bufs.into_iter().enumerate() {
                         // A buffer whose message already went eagerly.
@@ -744,7 +750,7 @@ impl SendState {
                 // own completion; new ones are refused.
                 self.peer.bye_heard = true;
                 self.offers.clear();
-                self.early.clear();
+                self.early.fill(None);
             }
             Ok(Ctrl::Credit { count }) => {
                 // A peer can never grant more than it announced.
