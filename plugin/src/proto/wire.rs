@@ -41,7 +41,7 @@ pub const HANDLE_MAGIC: [u8; 4] = *b"WEFT";
 /// Version of the handle and handshake format.
 /// 3: tagged receivers announce their large receives ([`Ctrl::Posted`]);
 /// a sender of version 2 would not wait for them.
-pub const HANDLE_VERSION: u16 = 3;
+pub const HANDLE_VERSION: u16 = 4;
 /// Largest endpoint address a handle carries.
 pub const MAX_ADDR: usize = 88;
 /// Where the listener's comm id sits in the handle.
@@ -360,6 +360,10 @@ pub enum Ctrl {
         seq: u32,
         /// The receive request's slot (named again by the writes' immediates).
         slot: u8,
+        /// Eager credits returned with it (messages consumed since the last
+        /// return): the offers going back carry them, so a comm whose
+        /// receives are offered sends no `Credit` of its own.
+        credits: u16,
         /// One entry per buffer.
         bufs: Entries<RtrBuf>,
     },
@@ -563,13 +567,19 @@ impl Ctrl {
                 out[24..28].copy_from_slice(&id.to_le_bytes());
                 put_addr(out, ADDR_AT, addr)
             }
-            Ctrl::Rtr { seq, slot, bufs } => {
+            Ctrl::Rtr {
+                seq,
+                slot,
+                credits,
+                bufs,
+            } => {
                 let n = bufs.len().min(super::MAX_RECVS);
                 out[6] = KIND_RTR;
                 out[7] = n as u8;
                 out[8..12].copy_from_slice(&seq.to_le_bytes());
                 out[12] = *slot;
-                out[13..16].fill(0);
+                out[13] = 0;
+                out[14..16].copy_from_slice(&credits.to_le_bytes());
                 for (i, b) in bufs[..n].iter().enumerate() {
                     let at = RTR_HEAD + i * RTR_BUF;
                     out[at..at + 4].copy_from_slice(&b.tag.to_le_bytes());
@@ -712,6 +722,7 @@ impl Ctrl {
                 Ok(Ctrl::Rtr {
                     seq: u32_at(8),
                     slot: buf[12],
+                    credits: u16::from_le_bytes([buf[14], buf[15]]),
                     bufs,
                 })
             }
@@ -1009,6 +1020,7 @@ mod tests {
             Ctrl::Rtr {
                 seq: 7,
                 slot: 31,
+                credits: 0xbeef,
                 bufs: (0..super::super::MAX_RECVS as u64)
                     .map(|i| RtrBuf {
                         tag: -(i as i32),

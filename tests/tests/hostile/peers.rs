@@ -851,3 +851,67 @@ fn an_oversized_control_message_wedges_only_its_sender(provider: &str) {
     close_pair(s, r);
 }
 weft_tests::each!(an_oversized_control_message_wedges_only_its_sender: tcp_rdma, shm_rdma, tcp_sendrecv, shm_sendrecv);
+
+/// What a receive comm says on the wire, seen by a forged sender (rdma):
+/// a receive an eager message that came first fills whole is not offered
+/// (no `Rtr` for it: the next offer is the next receive's), and the
+/// credits for eager messages consumed ride back on the next offer rather
+/// than in a `Credit` of their own. Fails with every receive offered (the
+/// first Rtr seen is tag 4's) or credits returned only in batches (0 on the
+/// offer).
+fn offers_skip_filled_receives_and_carry_credits(provider: &str) {
+    let ctx = init(provider);
+    let (f, linked, r) = forger_pair(ctx, provider);
+    f.as_itself(&linked);
+    let mut a = vec![0u8; 64];
+    let mut b = vec![0u8; 64];
+    let (ma, mb) = (reg(r, &a), reg(r, &b));
+    // A receive of tag 5 first, so that testing it progresses the comm.
+    let qb = irecv(r, &mut [&mut b[..]], &[5], &[mb]);
+    let (_, first) = next_rtr(&f, || {
+        let _ = core::test(qb);
+    });
+    assert_eq!(first.tag, 5, "{provider}: the first offer");
+    // An eager message of tag 4 before any receive of tag 4: stashed.
+    let eager = Ctrl::Eager {
+        tag: 4,
+        idx: 0,
+        data: b"early".to_vec(),
+    };
+    f.send_while(linked.to, &eager, || {
+        let _ = core::test(qb);
+    });
+    for _ in 0..200 {
+        assert!(core::test(qb).unwrap().is_none());
+    }
+    // Its receive is filled from the stash: done, and not offered.
+    let qa = irecv(r, &mut [&mut a[..]], &[4], &[ma]);
+    let d = wait(qa);
+    assert_eq!(d.sizes[0], 5, "{provider}: the stashed message's size");
+    assert_eq!(&a[..5], b"early", "{provider}: the stashed message");
+    // The next offer is tag 6's, and returns the credit of the eager one.
+    let mut c = vec![0u8; 64];
+    let mc = reg(r, &c);
+    let qc = irecv(r, &mut [&mut c[..]], &[6], &[mc]);
+    let credits = poll_until("the next Rtr at the forger", || {
+        let _ = core::test(qc);
+        match f.try_recv() {
+            Some(Ctrl::Rtr { bufs, credits, .. }) => Some((bufs[0].tag, credits)),
+            Some(Ctrl::Credit { .. }) => panic!("{provider}: a Credit of its own for one message"),
+            _ => None,
+        }
+    });
+    assert_eq!(
+        credits,
+        (6, 1),
+        "{provider}: (tag, credits) of the offer after the stashed receive"
+    );
+    // The forger closes first, as a sender would, so the close need not
+    // wait for it with buffers offered.
+    f.send_while(linked.to, &Ctrl::Bye { sent: 0 }, || {
+        let _ = core::test(qc);
+    });
+    let _ = core::test(qb);
+    core::close_recv(r).unwrap_or_else(|e| panic!("{provider}: closeRecv: {e}"));
+}
+weft_tests::each!(offers_skip_filled_receives_and_carry_credits: tcp_rdma, shm_rdma);

@@ -19,8 +19,10 @@
 //!
 //! *RDMA* (`WEFT_PROTOCOL=rdma`), receiver-driven. For each `irecv`
 //! (grouped, n <= 8) the receiver sends the sender
-//! `Rtr{seq, slot, [tag, number, size, address, key] per buffer}`, where a
-//! buffer's number counts the receives of its tag. The sender gives the k-th
+//! `Rtr{seq, slot, credits, [tag, number, size, address, key] per buffer}`,
+//! where a buffer's number counts the receives of its tag (a receive that
+//! eager messages which came first fill whole is not offered), and
+//! `credits` returns the eager credits owed. The sender gives the k-th
 //! `isend` of a tag the buffer numbered k (NCCL's per-tag order); until it is
 //! offered (and the message is not eager) it returns a NULL request, as NCCL
 //! allows. It checks the size against the offer: a larger message is an
@@ -39,7 +41,8 @@
 //! `WEFT_EAGER_SIZE`) goes at once as an `Eager{tag, number, data}` control
 //! message, offered or not; the receiver copies it into the receive of the
 //! same number (or keeps it until that receive is posted) and returns a
-//! credit. A sender has at most [`EAGER_CREDITS`] unconsumed. Data arrives
+//! credit, on its next `Rtr` or, once `EAGER_CREDIT_BATCH` (4) are owed, in a
+//! `Credit`. A sender has at most [`EAGER_CREDITS`] unconsumed. Data arrives
 //! only into buffers the receiver offered, so it never buffers an unexpected
 //! data message.
 //!

@@ -523,15 +523,19 @@ impl RecvState {
             r.idxs = idxs;
         }
         // Eager messages that came first go straight in.
+        let mut filled = 0;
         for (i, b) in bufs.iter().enumerate() {
             if let Some(data) = self.stash.remove(&(b.tag, idxs[i])) {
                 self.fill(slot, i as u8, &data);
                 self.spare.push(data);
+                filled += 1;
             }
         }
-        if self.peer.bye_heard {
-            // Served from the stash whole (`check_after_bye`): the sender
-            // takes no offer any more.
+        if self.peer.bye_heard || filled == bufs.len() {
+            // Served from the stash whole: nothing to offer (and after the
+            // sender's Bye, `check_after_bye`, it takes no offer any more).
+            // Offers are numbered per tag, not per Rtr, so skipping one
+            // leaves no gap the sender waits on.
             return Ok(());
         }
         let mut tickets = [0u32; MAX_RECVS];
@@ -544,9 +548,13 @@ impl RecvState {
             r.tickets = tickets;
         }
         let offsets = self.offsets;
+        // The credits owed ride back on the offer.
+        let credits = self.credits_owed.min(u32::from(u16::MAX));
+        self.credits_owed -= credits;
         let rtr = Ctrl::Rtr {
             seq: self.seq,
             slot: slot as u8,
+            credits: credits as u16,
             bufs: bufs
                 .iter()
                 .zip(idxs)

@@ -702,6 +702,12 @@ impl SendState {
         })
     }
 
+    /// The receiver returned `count` credits (on a `Credit` or an `Rtr`).
+    fn return_credits(&mut self, count: u32) {
+        // A peer can never grant more than it announced.
+        self.credits = self.credits.saturating_add(count).min(self.max_credits);
+    }
+
     /// Where in `offers` the buffer for message `k` of `tag` is.
     fn offer(&self, tag: i32, k: u32) -> Option<usize> {
         self.offers
@@ -712,9 +718,13 @@ impl SendState {
     /// A control message from the peer, once connected.
     fn on_ctrl(&mut self, bytes: &[u8]) {
         match Ctrl::decode(bytes) {
-            Ok(Ctrl::Rtr { seq, slot, bufs })
-                if self.path == Path::Rdma && !self.peer.bye_heard =>
-            {
+            Ok(Ctrl::Rtr {
+                seq,
+                slot,
+                credits,
+                bufs,
+            }) if self.path == Path::Rdma && !self.peer.bye_heard => {
+                self.return_credits(credits.into());
                 let ahead = seq.wrapping_sub(self.next_seq) as usize;
                 if usize::from(slot) >= MAX_REQUESTS || ahead >= MAX_REQUESTS {
                     tracing::warn!(
@@ -752,10 +762,7 @@ impl SendState {
                 self.offers.clear();
                 self.early.fill(None);
             }
-            Ok(Ctrl::Credit { count }) => {
-                // A peer can never grant more than it announced.
-                self.credits = self.credits.saturating_add(count).min(self.max_credits);
-            }
+            Ok(Ctrl::Credit { count }) => self.return_credits(count),
             Ok(Ctrl::Posted { counts }) if self.path == Path::Tagged => {
                 for (tag, count) in counts {
                     let known = self.announced.len() < ANNOUNCED_TAGS;
