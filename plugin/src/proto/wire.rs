@@ -41,7 +41,7 @@ pub const HANDLE_MAGIC: [u8; 4] = *b"WEFT";
 /// Version of the handle and handshake format.
 /// 3: tagged receivers announce their large receives ([`Ctrl::Posted`]);
 /// a sender of version 2 would not wait for them.
-pub const HANDLE_VERSION: u16 = 4;
+pub const HANDLE_VERSION: u16 = 5;
 /// Largest endpoint address a handle carries.
 pub const MAX_ADDR: usize = 88;
 /// Where the listener's comm id sits in the handle.
@@ -364,8 +364,22 @@ pub enum Ctrl {
         /// return): the offers going back carry them, so a comm whose
         /// receives are offered sends no `Credit` of its own.
         credits: u16,
-        /// One entry per buffer.
+        /// The buffers of the receive offered (bit per buffer; a receive
+        /// an eager message can fill is not offered unless the sender
+        /// asks with a [`Ctrl::Want`]), one entry per set bit, in order.
+        subs: u8,
+        /// One entry per offered buffer.
         bufs: Entries<RtrBuf>,
+    },
+    /// RDMA sender -> receiver: "offer me message `idx` of `tag`'s buffer":
+    /// the sender has it and cannot send it eagerly (larger than eager
+    /// messages go, or out of credits), and no offer came. The receiver
+    /// offers that receive now, or once it is posted.
+    Want {
+        /// NCCL's tag.
+        tag: i32,
+        /// Which message of that tag (counted from 0 per comm and tag).
+        idx: u32,
     },
     /// RDMA sender -> receiver: buffer `sub` of request `slot` gets `size`
     /// bytes (written, or being written, with an immediate naming it).
@@ -471,6 +485,9 @@ pub enum CtrlError {
     /// An Rtr naming no buffers, or more than a grouped receive has.
     #[error("ready-to-receive message with {0} buffers (must be 1 ..= {n})", n = super::MAX_RECVS)]
     RtrCount(usize),
+    /// An Rtr whose buffer mask does not name one buffer per entry.
+    #[error("ready-to-receive message whose buffer mask {0:#04x} does not name its {1} buffers")]
+    RtrSubs(u8, usize),
     /// A Posted naming no tags, or more than a grouped receive has.
     #[error("posted-receives message with {0} tags (must be 1 ..= {n})", n = super::MAX_RECVS)]
     PostedCount(usize),
@@ -487,6 +504,7 @@ const KIND_BYE: u8 = 8;
 const KIND_EAGER: u8 = 9;
 const KIND_FAILED: u8 = 10;
 const KIND_POSTED: u8 = 11;
+const KIND_WANT: u8 = 12;
 /// Bytes before a Posted's entries, and per entry.
 const POSTED_HEAD: usize = 8;
 const POSTED_ENTRY: usize = 8;
@@ -571,6 +589,7 @@ impl Ctrl {
                 seq,
                 slot,
                 credits,
+                subs,
                 bufs,
             } => {
                 let n = bufs.len().min(super::MAX_RECVS);
@@ -578,7 +597,7 @@ impl Ctrl {
                 out[7] = n as u8;
                 out[8..12].copy_from_slice(&seq.to_le_bytes());
                 out[12] = *slot;
-                out[13] = 0;
+                out[13] = *subs;
                 out[14..16].copy_from_slice(&credits.to_le_bytes());
                 for (i, b) in bufs[..n].iter().enumerate() {
                     let at = RTR_HEAD + i * RTR_BUF;
@@ -611,6 +630,13 @@ impl Ctrl {
                 out[9] = *sub;
                 out[10..12].fill(0);
                 out[12..16].copy_from_slice(&err.to_le_bytes());
+                16
+            }
+            Ctrl::Want { tag, idx } => {
+                out[6] = KIND_WANT;
+                out[7] = 0;
+                out[8..12].copy_from_slice(&tag.to_le_bytes());
+                out[12..16].copy_from_slice(&idx.to_le_bytes());
                 16
             }
             Ctrl::Credit { count } => {
@@ -719,10 +745,15 @@ impl Ctrl {
                         }
                     })
                     .collect(); // n <= MAX_RECVS (`entries`)
+                let subs = buf[13];
+                if subs.count_ones() as usize != n {
+                    return Err(CtrlError::RtrSubs(subs, n));
+                }
                 Ok(Ctrl::Rtr {
                     seq: u32_at(8),
                     slot: buf[12],
                     credits: u16::from_le_bytes([buf[14], buf[15]]),
+                    subs,
                     bufs,
                 })
             }
@@ -743,6 +774,10 @@ impl Ctrl {
                 count: u32::from_le_bytes(buf[8..12].try_into().expect("4 bytes")),
             }),
             KIND_ALIVE => Ok(Ctrl::Alive),
+            KIND_WANT if buf.len() >= 16 => Ok(Ctrl::Want {
+                tag: u32_at(8) as i32,
+                idx: u32_at(12),
+            }),
             KIND_EAGER if buf.len() >= EAGER_HEAD => {
                 let (tag, idx, data) = eager(buf).expect("an eager message's header");
                 Ok(Ctrl::Eager {
@@ -762,7 +797,8 @@ impl Ctrl {
                     .collect();
                 Ok(Ctrl::Posted { counts })
             }
-            KIND_CONN | KIND_ACK | KIND_WROTE | KIND_TRUNC | KIND_EAGER | KIND_FAILED => {
+            KIND_CONN | KIND_ACK | KIND_WROTE | KIND_TRUNC | KIND_EAGER | KIND_FAILED
+            | KIND_WANT => {
                 Err(CtrlError::Truncated(buf.len()))
             }
             k => Err(CtrlError::Kind(k)),
@@ -1021,6 +1057,7 @@ mod tests {
                 seq: 7,
                 slot: 31,
                 credits: 0xbeef,
+                subs: 0xff,
                 bufs: (0..super::super::MAX_RECVS as u64)
                     .map(|i| RtrBuf {
                         tag: -(i as i32),
@@ -1032,6 +1069,24 @@ mod tests {
                     })
                     .collect(),
             },
+            Ctrl::Rtr {
+                seq: 8,
+                slot: 2,
+                credits: 0,
+                subs: 0b1010,
+                bufs: [1, 3]
+                    .into_iter()
+                    .map(|i| RtrBuf {
+                        tag: 4,
+                        size: 64,
+                        addr: 0x1000 * i,
+                        key: 5,
+                        idx: i as u32,
+                        ticket: 6,
+                    })
+                    .collect(),
+            },
+            Ctrl::Want { tag: -3, idx: 77 },
             Ctrl::Wrote {
                 slot: 3,
                 sub: 7,
@@ -1064,6 +1119,36 @@ mod tests {
             let n = m.encode(&mut b);
             assert_eq!(Ctrl::decode(&b[..n]).unwrap(), m);
         }
+    }
+
+    /// An Rtr's buffer mask names exactly its entries.
+    #[test]
+    fn rtr_masks_name_their_entries() {
+        let mut b = [0u8; CTRL_MAX];
+        let n = Ctrl::Rtr {
+            seq: 1,
+            slot: 0,
+            credits: 0,
+            subs: 0b100,
+            bufs: [RtrBuf {
+                tag: 1,
+                size: 8,
+                addr: 0,
+                key: 0,
+                idx: 0,
+                ticket: 0,
+            }]
+            .into_iter()
+            .collect(),
+        }
+        .encode(&mut b);
+        assert!(Ctrl::decode(&b[..n]).is_ok());
+        for subs in [0, 0b110, 0xff] {
+            b[13] = subs;
+            assert_eq!(Ctrl::decode(&b[..n]), Err(CtrlError::RtrSubs(subs, 1)));
+        }
+        let n = Ctrl::Want { tag: 1, idx: 2 }.encode(&mut b);
+        assert_eq!(Ctrl::decode(&b[..n - 1]), Err(CtrlError::Truncated(15)));
     }
 
     #[test]

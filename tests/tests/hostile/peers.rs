@@ -28,8 +28,16 @@ fn forger_pair(ctx: *mut c_void, provider: &str) -> (Forger, Linked, *mut c_void
     (f, linked, r)
 }
 
-/// The next Rtr the forger receives, while `progress` runs.
-fn next_rtr(f: &Forger, mut progress: impl FnMut()) -> (u8, weft::proto::wire::RtrBuf) {
+/// The forger asks for message `idx` of `tag` (a receive an eager message
+/// could fill is offered only when asked for, as a Weft sender does for a
+/// message it writes), and the next Rtr it receives, while `progress` runs.
+fn next_rtr(
+    f: &Forger,
+    linked: &Linked,
+    (tag, idx): (i32, u32),
+    mut progress: impl FnMut(),
+) -> (u8, weft::proto::wire::RtrBuf) {
+    f.send_while(linked.to, &Ctrl::Want { tag, idx }, &mut progress);
     poll_until("an Rtr at the forger", || {
         progress();
         match f.try_recv() {
@@ -69,7 +77,7 @@ fn a_key_opens_only_the_registered_bytes(provider: &str) {
         phandle: std::ptr::null_mut(),
     }];
     let q = poll_until("irecv", || irecv_raw(r, &args).unwrap());
-    let (slot, buf) = next_rtr(&f, || {
+    let (slot, buf) = next_rtr(&f, &linked, (9, 0), || {
         let _ = core::test(q);
     });
     assert_eq!(buf.size, 1024);
@@ -94,7 +102,7 @@ fn a_key_opens_only_the_registered_bytes(provider: &str) {
     // applies it when it progresses): one more receive, written after them
     // on the same connection, lands after them.
     let q = poll_until("irecv", || irecv_raw(r, &args).unwrap());
-    let (slot, buf) = next_rtr(&f, || {
+    let (slot, buf) = next_rtr(&f, &linked, (9, 1), || {
         let _ = core::test(q);
     });
     let imm = immediate(linked.id, slot << 3, Some(16), buf.ticket);
@@ -155,7 +163,7 @@ fn a_third_party_cannot_speak_for_a_comm(provider: &str) {
     let poke = || {
         let _ = core::test(q);
     };
-    let own_offer = rdma.then(|| next_rtr(&f, poke));
+    let own_offer = rdma.then(|| next_rtr(&f, &linked, (1, 0), poke));
     f.aim(victim);
     for token in [0x1234_5678, sender_token] {
         f.sign(token);
@@ -792,7 +800,7 @@ fn an_oversized_control_message_wedges_only_its_sender(provider: &str) {
     let mh = reg(victim, &dst);
     let q = irecv(victim, &mut [&mut dst[..]], &[1], &[mh]);
     let offer = rdma.then(|| {
-        next_rtr(&f, || {
+        next_rtr(&f, &linked, (1, 0), || {
             assert!(core::test(q).unwrap().is_none());
         })
     });
@@ -868,7 +876,7 @@ fn offers_skip_filled_receives_and_carry_credits(provider: &str) {
     let (ma, mb) = (reg(r, &a), reg(r, &b));
     // A receive of tag 5 first, so that testing it progresses the comm.
     let qb = irecv(r, &mut [&mut b[..]], &[5], &[mb]);
-    let (_, first) = next_rtr(&f, || {
+    let (_, first) = next_rtr(&f, &linked, (5, 0), || {
         let _ = core::test(qb);
     });
     assert_eq!(first.tag, 5, "{provider}: the first offer");
@@ -893,6 +901,9 @@ fn offers_skip_filled_receives_and_carry_credits(provider: &str) {
     let mut c = vec![0u8; 64];
     let mc = reg(r, &c);
     let qc = irecv(r, &mut [&mut c[..]], &[6], &[mc]);
+    f.send_while(linked.to, &Ctrl::Want { tag: 6, idx: 0 }, || {
+        let _ = core::test(qc);
+    });
     let credits = poll_until("the next Rtr at the forger", || {
         let _ = core::test(qc);
         match f.try_recv() {
@@ -915,3 +926,111 @@ fn offers_skip_filled_receives_and_carry_credits(provider: &str) {
     core::close_recv(r).unwrap_or_else(|e| panic!("{provider}: closeRecv: {e}"));
 }
 weft_tests::each!(offers_skip_filled_receives_and_carry_credits: tcp_rdma, shm_rdma);
+
+/// What a receive comm offers unasked (rdma), seen by a forged sender: a
+/// receive larger than an eager message is offered at once; one an eager
+/// message can fill only when the sender asks for it ([`Ctrl::Want`]),
+/// before or after it is posted; a grouped receive offers just its large
+/// buffers, named by the Rtr's mask. Fails with every receive offered (an
+/// Rtr for the first small receive) or with asks ignored (no Rtr comes).
+fn small_receives_are_offered_only_when_asked(provider: &str) {
+    let ctx = init(provider);
+    let (f, linked, r) = forger_pair(ctx, provider);
+    f.as_itself(&linked);
+    // 32 B: within every provider's eager limit here (tcp;ofi_rxm injects
+    // 64 B, the control header and the eager header take 24).
+    let (mut small, mut small2) = (vec![0u8; 32], vec![0u8; 32]);
+    let (mut large, mut grouped) = (vec![0u8; 64 << 10], vec![0u8; 64 << 10]);
+    let (ms, ms2, ml, mg) = (
+        reg(r, &small),
+        reg(r, &small2),
+        reg(r, &large),
+        reg(r, &grouped),
+    );
+    let offers = |q: *mut c_void| {
+        let mut seen = None;
+        for _ in 0..300 {
+            let _ = core::test(q);
+            if let Some(Ctrl::Rtr { subs, bufs, .. }) = f.try_recv() {
+                seen = Some((
+                    subs,
+                    bufs.iter().map(|b| (b.tag, b.idx)).collect::<Vec<_>>(),
+                ));
+                break;
+            }
+        }
+        seen
+    };
+    let q1 = irecv(r, &mut [&mut small[..]], &[7], &[ms]);
+    assert_eq!(
+        offers(q1),
+        None,
+        "{provider}: a small receive, not asked for, is not offered"
+    );
+    let q2 = irecv(r, &mut [&mut large[..]], &[8], &[ml]);
+    let (_, b) = poll_until("the large receive's Rtr", || {
+        let _ = core::test(q2);
+        match f.try_recv() {
+            Some(Ctrl::Rtr { subs, bufs, .. }) => Some((subs, bufs[0])),
+            _ => None,
+        }
+    });
+    assert_eq!(
+        (b.tag, b.idx, b.size),
+        (8, 0, 64 << 10),
+        "{provider}: offered unasked"
+    );
+    let (_, b) = next_rtr(&f, &linked, (7, 0), || {
+        let _ = core::test(q1);
+    });
+    assert_eq!(
+        (b.tag, b.idx, b.size),
+        (7, 0, 32),
+        "{provider}: offered once asked"
+    );
+    // Asked before it is posted: offered when it is.
+    f.send_while(linked.to, &Ctrl::Want { tag: 7, idx: 1 }, || {
+        let _ = core::test(q1);
+    });
+    let q3 = irecv(r, &mut [&mut small2[..]], &[7], &[ms2]);
+    let (_, b) = poll_until("the asked-for receive's Rtr", || {
+        let _ = core::test(q3);
+        match f.try_recv() {
+            Some(Ctrl::Rtr { bufs, .. }) => Some((0, bufs[0])),
+            _ => None,
+        }
+    });
+    assert_eq!(
+        (b.tag, b.idx),
+        (7, 1),
+        "{provider}: asked for before it was posted"
+    );
+    // A grouped receive offers only its large buffer, named by the mask.
+    let mut tiny = vec![0u8; 32];
+    let mt = reg(r, &tiny);
+    let q4 = irecv(
+        r,
+        &mut [&mut tiny[..], &mut grouped[..]],
+        &[10, 11],
+        &[mt, mg],
+    );
+    let seen = poll_until("the grouped receive's Rtr", || {
+        let _ = core::test(q4);
+        match f.try_recv() {
+            Some(Ctrl::Rtr { subs, bufs, .. }) => Some((
+                subs,
+                bufs.iter().map(|b| (b.tag, b.idx)).collect::<Vec<_>>(),
+            )),
+            _ => None,
+        }
+    });
+    assert_eq!(seen, (0b10, vec![(11, 0)]), "{provider}: (mask, entries)");
+    f.send_while(linked.to, &Ctrl::Bye { sent: 0 }, || {
+        let _ = core::test(q1);
+    });
+    for q in [q1, q2, q3, q4] {
+        let _ = core::test(q);
+    }
+    core::close_recv(r).unwrap_or_else(|e| panic!("{provider}: closeRecv: {e}"));
+}
+weft_tests::each!(small_receives_are_offered_only_when_asked: tcp_rdma, shm_rdma);

@@ -18,14 +18,17 @@
 //! **Data** takes one of two paths, [`Path`]:
 //!
 //! *RDMA* (`WEFT_PROTOCOL=rdma`), receiver-driven. For each `irecv`
-//! (grouped, n <= 8) the receiver sends the sender
-//! `Rtr{seq, slot, credits, [tag, number, size, address, key] per buffer}`,
-//! where a buffer's number counts the receives of its tag (a receive that
-//! eager messages which came first fill whole is not offered), and
-//! `credits` returns the eager credits owed. The sender gives the k-th
-//! `isend` of a tag the buffer numbered k (NCCL's per-tag order); until it is
-//! offered (and the message is not eager) it returns a NULL request, as NCCL
-//! allows. It checks the size against the offer: a larger message is an
+//! (grouped, n <= 8) the receiver offers the sender the buffers an eager
+//! message cannot fill (larger than its eager limit, which its `Ack` said):
+//! `Rtr{seq, slot, credits, mask, [tag, number, size, address, key] per
+//! offered buffer}`, where the mask names the buffers offered and a buffer's
+//! number counts the receives of its tag (a buffer an eager message that
+//! came first fills is not offered), and `credits` returns the eager
+//! credits owed. A buffer an eager message can fill is offered only when the
+//! sender asks (`Want{tag, number}`: it cannot send that message eagerly).
+//! The sender gives the k-th `isend` of a tag the buffer numbered k (NCCL's
+//! per-tag order); until it is offered (and the message is not eager) it
+//! returns a NULL request, as NCCL allows. It checks the size against the offer: a larger message is an
 //! error on both sides (`Trunc` tells the receiver) and nothing is written.
 //! Otherwise it writes the data with `fi_writedata`, whose low 32 bits of
 //! immediate name the receive comm (24 bits), the request slot (5) and the
@@ -42,7 +45,8 @@
 //! message, offered or not; the receiver copies it into the receive of the
 //! same number (or keeps it until that receive is posted) and returns a
 //! credit, on its next `Rtr` or, once `EAGER_CREDIT_BATCH` (4) are owed, in a
-//! `Credit`. A sender has at most [`EAGER_CREDITS`] unconsumed. Data arrives
+//! `Credit`. A sender has at most [`EAGER_CREDITS`] unconsumed (then it asks
+//! for the buffer with a `Want`). Data arrives
 //! only into buffers the receiver offered, so it never buffers an unexpected
 //! data message.
 //!

@@ -21,6 +21,10 @@ use super::*;
 mod rdma;
 mod tagged;
 
+/// Most receives not yet posted a sender can have asked for: it asks for
+/// one message per tag at a time, and NCCL uses a handful of tags per comm.
+const WANTED: usize = 64;
+
 /// A receiving comm.
 pub struct RecvComm {
     dev: Arc<DeviceState>,
@@ -38,6 +42,14 @@ struct RReq {
     idxs: [u32; MAX_RECVS],
     /// Each buffer's offer ticket (see [`RtrBuf::ticket`]).
     tickets: [u32; MAX_RECVS],
+    /// RDMA: where a write into each buffer goes (an address or an offset,
+    /// as [`RtrBuf::addr`]) and its registration's remote key.
+    addrs: [u64; MAX_RECVS],
+    keys: [u64; MAX_RECVS],
+    /// RDMA: buffers offered (bit per buffer), and those the sender asked
+    /// for ([`Ctrl::Want`]) and not yet offered.
+    offered: u8,
+    wanted: u8,
     /// NCCL's buffers (eager data is copied there) and their descriptors.
     data: [usize; MAX_RECVS],
     descs: [usize; MAX_RECVS],
@@ -87,6 +99,15 @@ struct RecvState {
     reqs: Pool<RReq>,
     /// The next Rtr's sequence number.
     seq: u32,
+    /// RDMA: the largest eager message this side takes (the Ack said it):
+    /// a receive no larger is not offered; the sender sends into it eagerly
+    /// or asks for it ([`Ctrl::Want`]).
+    eager_max: usize,
+    /// RDMA: receives the sender asked for before they were posted,
+    /// `(tag, number)` (it asks for one message at a time per tag).
+    wanted: arrayvec::ArrayVec<(i32, u32), WANTED>,
+    /// RDMA: a request has `wanted` buffers to offer.
+    want_due: bool,
     /// Draws offer tickets: SipHash under a random key, of a counter.
     tickets: (std::hash::RandomState, u64),
     /// Address buffers by offset into their registration (the provider's MR
@@ -138,6 +159,7 @@ impl RecvComm {
         let offsets = !dev.virt_addr();
         let peer = PeerLink::new(&seat);
         let announce_above = super::unannounced_max(&dev);
+        let dev_eager_max = seat.hub.eager_max();
         Ok(Self {
             dev,
             seat,
@@ -146,6 +168,9 @@ impl RecvComm {
                 peer,
                 reqs,
                 seq: 0,
+                eager_max: dev_eager_max,
+                wanted: arrayvec::ArrayVec::new(),
+                want_due: false,
                 tickets: (std::hash::RandomState::new(), 0),
                 offsets,
                 next_idx: HashMap::new(),
@@ -205,6 +230,10 @@ impl Receiver for RecvComm {
             tags: [0; MAX_RECVS],
             idxs: [0; MAX_RECVS],
             tickets: [0; MAX_RECVS],
+            addrs: [0; MAX_RECVS],
+            keys: [0; MAX_RECVS],
+            offered: 0,
+            wanted: 0,
             data: [0; MAX_RECVS],
             descs: [0; MAX_RECVS],
             sizes: [0; MAX_RECVS],
@@ -220,7 +249,14 @@ impl Receiver for RecvComm {
             req.caps[i] = b.size as u64;
             req.tags[i] = b.tag;
             req.data[i] = b.data as usize;
-            req.descs[i] = Mem::first(b.mem).desc as usize;
+            let mem = Mem::first(b.mem);
+            req.descs[i] = mem.desc as usize;
+            req.keys[i] = mem.key;
+            req.addrs[i] = if st.offsets {
+                (b.data as usize - mem.base) as u64
+            } else {
+                b.data as u64
+            };
         }
         if st.reqs.in_use() >= MAX_REQUESTS {
             st.progress(&self.seat)?;
@@ -233,7 +269,7 @@ impl Receiver for RecvComm {
         };
         st.hold(slot, bufs);
         let offered = match st.path {
-            Path::Rdma => st.offer(&self.seat, slot, bufs),
+            Path::Rdma => st.offer(&self.seat, slot),
             Path::Tagged => st.post_all(&self.seat, slot),
         };
         if let Err(e) = offered {
@@ -430,6 +466,9 @@ impl Side for RecvState {
             }
             Ok(())
         })?;
+        if self.want_due {
+            self.offer_wanted(seat)?;
+        }
         self.post_pending(seat)
     }
 }
@@ -559,6 +598,7 @@ impl RecvState {
                     r.sized |= 1 << sub;
                 }
             }
+            Ok(Ctrl::Want { tag, idx }) if self.path == Path::Rdma => self.on_want(tag, idx),
             Ok(Ctrl::Trunc { slot, sub, size }) => {
                 if let Some(r) = self.buffer(slot, sub, "a truncation") {
                     r.trunc.get_or_insert((sub, Some(size), false));

@@ -5,44 +5,81 @@
 use super::*;
 
 impl RecvState {
-    /// RDMA: numbers the buffers per tag, fills them from eager messages
-    /// that came first, and offers them to the sender.
-    pub(super) fn offer(&mut self, seat: &Seat, slot: u32, bufs: &[RecvBuf]) -> Result<()> {
-        let mut idxs = [0; MAX_RECVS];
-        for (i, b) in bufs.iter().enumerate() {
-            let next = self.next_idx.entry(b.tag).or_insert(0);
-            idxs[i] = *next;
+    /// RDMA: numbers the buffers of request `slot` per tag, fills them from
+    /// eager messages that came first, and offers to the sender those an
+    /// eager message cannot fill (larger than [`RecvState::eager_max`]) or
+    /// that it asked for. A small receive is not offered: its message comes
+    /// eagerly, so an offer would be one more message on the wire for
+    /// nothing; a sender that cannot send it eagerly asks ([`Ctrl::Want`]).
+    pub(super) fn offer(&mut self, seat: &Seat, slot: u32) -> Result<()> {
+        let Some(mut r) = self.reqs.get(slot).copied() else {
+            return Ok(());
+        };
+        let n = usize::from(r.n);
+        for i in 0..n {
+            let next = self.next_idx.entry(r.tags[i]).or_insert(0);
+            r.idxs[i] = *next;
             *next = next.wrapping_add(1);
         }
-        if let Some(r) = self.reqs.get_mut(slot) {
-            r.idxs = idxs;
-        }
-        // Eager messages that came first go straight in.
-        let mut filled = 0;
-        for (i, b) in bufs.iter().enumerate() {
-            if let Some(data) = self.stash.remove(&(b.tag, idxs[i])) {
-                self.fill(slot, i as u8, &data);
-                self.spare.push(data);
-                filled += 1;
+        let mut subs = 0u8;
+        for i in 0..n {
+            let key = (r.tags[i], r.idxs[i]);
+            if let Some(at) = self.wanted.iter().position(|&w| w == key) {
+                self.wanted.swap_remove(at);
+                subs |= 1 << i;
+            } else if r.caps[i] > self.eager_max as u64 {
+                subs |= 1 << i;
             }
         }
-        if self.peer.bye_heard || filled == bufs.len() {
-            // Served from the stash whole: nothing to offer (and after the
-            // sender's Bye, `check_after_bye`, it takes no offer any more).
-            // Offers are numbered per tag, not per Rtr, so skipping one
-            // leaves no gap the sender waits on.
+        if let Some(q) = self.reqs.get_mut(slot) {
+            q.idxs = r.idxs;
+        }
+        // Eager messages that came first go straight in.
+        for i in 0..n {
+            if let Some(data) = self.stash.remove(&(r.tags[i], r.idxs[i])) {
+                self.fill(slot, i as u8, &data);
+                self.spare.push(data);
+                subs &= !(1 << i);
+            }
+        }
+        self.send_rtr(seat, slot, subs)
+    }
+
+    /// Offers buffers `subs` of request `slot` in one `Rtr`, with the
+    /// credits owed. Nothing after the sender's `Bye` (`check_after_bye`:
+    /// it takes no offer any more). Offers are numbered per tag, not per
+    /// Rtr, so a buffer not offered leaves no gap the sender waits on.
+    fn send_rtr(&mut self, seat: &Seat, slot: u32, subs: u8) -> Result<()> {
+        if self.peer.bye_heard || subs == 0 {
             return Ok(());
         }
         let mut tickets = [0u32; MAX_RECVS];
-        for t in &mut tickets[..bufs.len()] {
+        for t in &mut tickets {
             let (key, n) = &mut self.tickets;
             *n += 1;
             *t = std::hash::BuildHasher::hash_one(&*key, *n) as u32;
         }
-        if let Some(r) = self.reqs.get_mut(slot) {
-            r.tickets = tickets;
+        let Some(r) = self.reqs.get_mut(slot) else {
+            return Ok(());
+        };
+        let subs = subs & r.all() & !r.offered;
+        let mut bufs = Entries::new();
+        for s in (0..usize::from(r.n)).filter(|&s| subs & (1 << s) != 0) {
+            r.tickets[s] = tickets[s];
+            bufs.push(RtrBuf {
+                ticket: tickets[s],
+                tag: r.tags[s],
+                idx: r.idxs[s],
+                size: r.caps[s],
+                addr: r.addrs[s],
+                key: r.keys[s],
+            });
         }
-        let offsets = self.offsets;
+        r.offered |= subs;
+        r.wanted &= !subs;
+        if bufs.is_empty() {
+            return Ok(());
+        }
         // The credits owed ride back on the offer.
         let credits = self.credits_owed.min(u32::from(u16::MAX));
         self.credits_owed -= credits;
@@ -50,29 +87,64 @@ impl RecvState {
             seq: self.seq,
             slot: slot as u8,
             credits: credits as u16,
-            bufs: bufs
-                .iter()
-                .zip(idxs)
-                .zip(tickets)
-                .map(|((b, idx), ticket)| {
-                    let mem = Mem::first(b.mem);
-                    RtrBuf {
-                        ticket,
-                        tag: b.tag,
-                        idx,
-                        size: b.size as u64,
-                        addr: if offsets {
-                            (b.data as usize - mem.base) as u64
-                        } else {
-                            b.data as u64
-                        },
-                        key: mem.key,
-                    }
-                })
-                .collect(),
+            subs,
+            bufs,
         };
         self.seq = self.seq.wrapping_add(1);
         self.peer.send(seat.ep(), rtr)
+    }
+
+    /// The sender asks for message `idx` of `tag`: its receive, if posted
+    /// and not offered, is offered once this read of the CQ is done;
+    /// one not yet posted is offered when it is.
+    pub(super) fn on_want(&mut self, tag: i32, idx: u32) {
+        let posted = self.reqs.live().find_map(|i| {
+            let r = self.reqs.get(i)?;
+            (0..r.n)
+                .find(|&s| {
+                    let s = usize::from(s);
+                    let bit = 1 << s;
+                    r.tags[s] == tag && r.idxs[s] == idx && (r.landed | r.sized) & bit == 0
+                })
+                .map(|s| (i, s))
+        });
+        if let Some((slot, sub)) = posted {
+            if let Some(r) = self.reqs.get_mut(slot) {
+                if r.offered & (1 << sub) == 0 {
+                    r.wanted |= 1 << sub;
+                    self.want_due = true;
+                }
+            }
+            return;
+        }
+        // Not posted yet (numbers ahead of the next receive's), or done.
+        let next = self.next_idx.get(&tag).copied().unwrap_or(0);
+        if idx.wrapping_sub(next) >= u32::MAX / 2 || self.wanted.contains(&(tag, idx)) {
+            return;
+        }
+        if self.wanted.try_push((tag, idx)).is_err() {
+            tracing::warn!(
+                "receive comm from {}: ignored a request for message {idx} of tag {tag}: {WANTED} are asked for already",
+                self.peer.link.name
+            );
+        }
+    }
+
+    /// Offers what the sender asked for ([`Self::on_want`]).
+    pub(super) fn offer_wanted(&mut self, seat: &Seat) -> Result<()> {
+        self.want_due = false;
+        let mut due = [(0u32, 0u8); MAX_REQUESTS];
+        let mut n = 0;
+        for i in self.reqs.live() {
+            if let Some(r) = self.reqs.get(i).filter(|r| r.wanted != 0) {
+                due[n] = (i, r.wanted);
+                n += 1;
+            }
+        }
+        for &(slot, subs) in &due[..n] {
+            self.send_rtr(seat, slot, subs)?;
+        }
+        Ok(())
     }
 
     /// Eager message `idx` of `tag`: into its receive if posted, else kept

@@ -20,8 +20,9 @@ use crate::fabric::FiAddr;
 mod rdma;
 mod tagged;
 
-/// An Rtr that came ahead of its turn: the request slot and its buffers.
-type Early = (u8, Entries<RtrBuf>);
+/// An Rtr that came ahead of its turn: the request slot, the buffers
+/// offered (a mask) and their entries.
+type Early = (u8, u8, Entries<RtrBuf>);
 
 /// A sending comm (also the state of a `connect` in progress).
 pub struct SendComm {
@@ -73,6 +74,9 @@ struct SendState {
     max_credits: u32,
     /// The largest eager message the receiver takes (rdma).
     eager_max: usize,
+    /// RDMA: the message last asked for with a [`Ctrl::Want`], `(tag,
+    /// number)` (asked once, however often NCCL tries it).
+    asked: Option<(i32, u32)>,
     /// The largest message injected (tagged).
     inject_max: usize,
     /// Tagged: the largest message sent before its receive is announced
@@ -136,6 +140,7 @@ impl SendComm {
                 credits: 0,
                 max_credits: 0,
                 eager_max: 0,
+                asked: None,
                 inject_max,
                 unannounced_max: 0,
                 announced: HashMap::new(),
@@ -490,6 +495,7 @@ impl SendState {
                 seq,
                 slot,
                 credits,
+                subs,
                 bufs,
             }) if self.path == Path::Rdma && !self.peer.bye_heard => {
                 self.return_credits(credits.into());
@@ -501,12 +507,14 @@ impl SendState {
                     );
                     return;
                 }
-                self.early[seq as usize % MAX_REQUESTS] = Some((slot, bufs));
-                while let Some((slot, bufs)) =
+                self.early[seq as usize % MAX_REQUESTS] = Some((slot, subs, bufs));
+                while let Some((slot, subs, bufs)) =
                     self.early[self.next_seq as usize % MAX_REQUESTS].take()
                 {
                     self.next_seq = self.next_seq.wrapping_add(1);
-                    for (sub, buf) in bufs.into_iter().enumerate() {
+                    // Entry i is for the i-th buffer the mask names.
+                    let named = (0..MAX_RECVS as u8).filter(|s| subs & (1 << s) != 0);
+                    for (sub, buf) in named.zip(bufs) {
                         // A buffer whose message already went eagerly.
                         let sent = self.sent.get(&buf.tag).copied().unwrap_or(0);
                         if buf.idx.wrapping_sub(sent) >= u32::MAX / 2 {
@@ -514,7 +522,7 @@ impl SendState {
                         }
                         self.offers.push_back(Offer {
                             slot,
-                            sub: sub as u8,
+                            sub,
                             buf,
                         });
                     }

@@ -94,6 +94,15 @@ impl SendComm {
             return Ok(Self::req_id(st, idx));
         }
         let Some(at) = at else {
+            // Not eager and not offered: a receive an eager message could
+            // fill is offered only when asked for (too large to go eagerly,
+            // out of credits, or the receiver's eager limit is above this
+            // side's). Asked once; a full request pool waits for room.
+            let room = st.reqs.in_use() < st.reqs.capacity();
+            if room && st.asked != Some((tag, k)) {
+                st.peer.send(self.seat.ep(), Ctrl::Want { tag, idx: k })?;
+                st.asked = Some((tag, k));
+            }
             return Ok(None);
         };
         let o = st.offers[at];
