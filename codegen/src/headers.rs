@@ -1,4 +1,4 @@
-//! Finding NCCL's headers in a directory, supplying what they include but
+//! Finding NCCL's headers (net, CollNet and, in a source tree, RMA) in a directory, supplying what they include but
 //! the directory lacks, and running bindgen over them.
 
 use std::path::{Path, PathBuf};
@@ -27,6 +27,27 @@ pub struct Headers {
     pub include: Vec<PathBuf>,
     /// What codegen supplied itself (reported in its output).
     pub supplied: Vec<String>,
+}
+
+impl Headers {
+    /// Where a family's tables came from, for the `Source:` line of its
+    /// descriptor files: the header NCCL declares them in, relative to the
+    /// directory given.
+    pub fn source_of(&self, family: &str) -> String {
+        let file = match (self.layout, family) {
+            (Layout::SourceTree, "rma") => {
+                "src/include/plugin/nccl_rma.h and rma/rma_v*.h".to_owned()
+            }
+            (Layout::SourceTree, _) => "src/include/plugin/nccl_net.h".to_owned(),
+            _ => self
+                .main
+                .strip_prefix(&self.root)
+                .unwrap_or(&self.main)
+                .display()
+                .to_string(),
+        };
+        format!("{file} ({:?} layout)", self.layout)
+    }
 }
 
 // Declarations codegen supplies when a header set includes files it does not
@@ -93,10 +114,36 @@ pub fn locate(dir: &Path, stub: &Path) -> Result<Headers, String> {
             "stand-in for the nccl.h that NCCL's build generates from src/nccl.h.in",
         )?;
         put_cuda(&mut put, "CUDA header")?;
+        // The net headers and, where the tree has them, the RMA headers:
+        // nccl_rma.h and every rma/rma_vN.h (a release's nccl_rma.h
+        // includes only the versions it knows; each has an include guard).
+        let plugin = dir.join("src/include/plugin");
+        let mut wrapper = String::from(
+            "/* supplied by weft-codegen: every plugin header of the tree */\n#include \"nccl_net.h\"\n",
+        );
+        if plugin.join("nccl_rma.h").exists() {
+            wrapper.push_str("#include \"nccl_rma.h\"\n");
+        }
+        let mut rma: Vec<String> = std::fs::read_dir(plugin.join("rma"))
+            .map(|d| {
+                d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .filter(|n| n.starts_with("rma_v") && n.ends_with(".h"))
+                    .collect()
+            })
+            .unwrap_or_default();
+        rma.sort();
+        for h in &rma {
+            wrapper.push_str(&format!("#include \"rma/{h}\"\n"));
+        }
+        put(
+            "weft_plugin_headers.h",
+            &wrapper,
+            "the header bindgen reads: nccl_net.h and the RMA headers",
+        )?;
         (
             Layout::SourceTree,
-            dir.join("src/include/plugin/nccl_net.h"),
-            vec![dir.join("src/include/plugin"), dir.join("src/include")],
+            stub.join("weft_plugin_headers.h"),
+            vec![plugin, dir.join("src/include")],
         )
     } else if dir.join("nccl_net.h").exists() && dir.join("nccl.h").exists() {
         put_cuda(&mut put, "CUDA header the wheel omits")?;
@@ -147,7 +194,7 @@ pub fn locate(dir: &Path, stub: &Path) -> Result<Headers, String> {
 pub fn bindgen(h: &Headers) -> Result<String, String> {
     let mut b = bindgen::Builder::default()
         .header(h.main.to_string_lossy())
-        .allowlist_type("ncclNet_v[0-9]+_t|ncclCollNet_v[0-9]+_t|ncclResult_t")
+        .allowlist_type("ncclNet_v[0-9]+_t|ncclCollNet_v[0-9]+_t|ncclRma_v[0-9]+_t|ncclResult_t")
         .allowlist_var("nccl[A-Z][A-Za-z]*")
         .default_enum_style(bindgen::EnumVariation::Consts)
         .prepend_enum_name(false)

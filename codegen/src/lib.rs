@@ -1,7 +1,7 @@
 //! weft-codegen: NCCL headers -> Weft version descriptors.
 //!
 //! bindgen (libclang) reads the headers; its Rust output is parsed with syn;
-//! every `ncclNet_vN_t` / `ncclCollNet_vN_t` table becomes a [`Descriptor`]
+//! every `ncclNet_vN_t` / `ncclCollNet_vN_t` / `ncclRma_vN_t` table becomes a [`Descriptor`]
 //! with its members in order, every struct it uses (transitively), and the
 //! `ncclResult_t` codes that version's NCCL knows.
 
@@ -23,39 +23,77 @@ pub const OPAQUE: &[&str] = &[
 ];
 
 /// Members NCCL checks for NULL before calling (so a plugin may leave them
-/// NULL), with where NCCL's source checks each. Every other member, and every
-/// member a future NCCL adds until someone reads how NCCL calls it and lists
-/// it here, is mandatory: a table must serve it.
-pub const OPTIONAL: &[(&str, &str)] = &[
+/// NULL), per family, with where NCCL's source checks each. Every other
+/// member, and every member a future NCCL adds until someone reads how NCCL
+/// calls it and lists it here, is mandatory: a table must serve it.
+pub const OPTIONAL: &[(&[&str], &str, &str)] = &[
     (
+        NET,
         "getDeviceMr",
         "transport/net.cc: `if (... ncclNet->getDeviceMr)`",
     ),
     (
+        NET,
         "irecvConsumed",
         "transport/net.cc: `if (ncclNet->irecvConsumed)`",
     ),
     (
+        NET,
         "makeVDevice",
         "graph/topo.cc: `net->makeVDevice == NULL` uses physical devices",
     ),
     (
+        NET,
         "setNetAttr",
         "transport/net.cc: `if (!ncclNet->setNetAttr) return`",
     ),
     (
+        NET,
         "regMrDmaBuf",
         "init.cc: `comm->ncclNet->regMrDmaBuf == NULL` disables DMA-BUF",
     ),
     (
+        NET,
         "iallgather",
         "graph/tuning.cc: `!comm->ncclCollNet->iallgather`",
     ),
     (
+        NET,
         "ireducescatter",
         "graph/tuning.cc: CollNet ReduceScatter needs `ireducescatter`",
     ),
+    (
+        RMA,
+        "iflush",
+        "gin/gin_host_proxy.cc: `if (!rmaBackend->iflush)` (the RMA proxy never calls it)",
+    ),
+    (
+        RMA,
+        "rmaProgress",
+        "gin/gin_host_proxy.cc and rma/rma_proxy_progress.cc: `if (... ->rmaProgress)`",
+    ),
+    (
+        RMA,
+        "ginProgress",
+        "plugin/rma/rma_v13.cc: v13's ginProgress becomes rmaProgress, checked as that is",
+    ),
+    (
+        RMA,
+        "queryLastError",
+        "gin/gin_host_proxy.cc: `if (... rmaBackend->queryLastError)`",
+    ),
 ];
+
+/// The families [`OPTIONAL`] names.
+const NET: &[&str] = &["net", "collnet"];
+const RMA: &[&str] = &["rma"];
+
+/// Whether NCCL checks member `name` of a `family` table for NULL.
+pub fn is_optional(family: &str, name: &str) -> bool {
+    OPTIONAL
+        .iter()
+        .any(|(fams, n, _)| *n == name && fams.contains(&family))
+}
 
 /// Plugin-facing result codes and the NCCL release that introduced each
 /// (reference §3.4: the plugin `err.h` defines 0-6; `ncclRemoteError` came
@@ -70,7 +108,9 @@ const RESULT_SINCE: &[(&str, (u32, u32))] = &[
     ("ncclRemoteError", (2, 13)),
 ];
 
-/// The first NCCL release that loads each API version (reference §4.3).
+/// The first NCCL release that loads each API version (reference §4.3):
+/// net and CollNet v5..v12, RMA v13..v16 (v13 from 2.30.3, v14 from
+/// 2.30.7; the numbers do not overlap).
 pub fn first_release(version: u32) -> Option<(u32, u32)> {
     Some(match version {
         5 => (2, 12),
@@ -81,6 +121,9 @@ pub fn first_release(version: u32) -> Option<(u32, u32)> {
         10 => (2, 26),
         11 => (2, 28),
         12 => (2, 30),
+        13 | 14 => (2, 30),
+        15 => (2, 31),
+        16 => (2, 32),
         _ => return None,
     })
 }
@@ -200,11 +243,22 @@ pub fn extract(rust: &str) -> Result<Vec<Descriptor>, String> {
         }
     }
     let mut out = Vec::new();
-    for (name, fields) in &structs {
+    // Tables are structs, or typedefs of one (RMA v13 is GIN v13's table).
+    let mut tables: Vec<(&String, &Vec<(String, syn::Type)>)> = structs.iter().collect();
+    for name in aliases.keys() {
+        if name.starts_with("ncclRma_v") && !structs.contains_key(name) {
+            if let Some(fields) = find_struct(name, &structs, &aliases) {
+                tables.push((name, fields));
+            }
+        }
+    }
+    for (name, fields) in tables {
         let (family, rest) = if let Some(r) = name.strip_prefix("ncclNet_v") {
             ("net", r)
         } else if let Some(r) = name.strip_prefix("ncclCollNet_v") {
             ("collnet", r)
+        } else if let Some(r) = name.strip_prefix("ncclRma_v") {
+            ("rma", r)
         } else {
             continue;
         };
@@ -236,7 +290,7 @@ pub fn extract(rust: &str) -> Result<Vec<Descriptor>, String> {
                     }
                     Member::Fn {
                         name: fname.clone(),
-                        optional: OPTIONAL.iter().any(|(n, _)| n == fname),
+                        optional: is_optional(family, fname),
                         args: a,
                         ret: ty_of(&ret, &aliases)?,
                     }
@@ -532,6 +586,7 @@ fn c_ty(t: &Ty) -> String {
             "u16" => "uint16_t",
             "i16" => "int16_t",
             "f32" => "float",
+            "bool" => "bool",
             other => other,
         }
         .to_owned(),
@@ -558,7 +613,7 @@ pub fn write_synthetic_headers(d: &Descriptor, dir: &Path) -> std::io::Result<()
         .map(|(n, v)| format!("{n} = {v}"))
         .collect();
     let nccl_h = format!(
-        "/* synthetic: written by weft-codegen from a Weft descriptor */\n#include <stddef.h>\n#include <stdint.h>\n\
+        "/* synthetic: written by weft-codegen from a Weft descriptor */\n#include <stdbool.h>\n#include <stddef.h>\n#include <stdint.h>\n\
          typedef enum {{ {} }} ncclResult_t;\n",
         results.join(", ")
     );
@@ -637,8 +692,8 @@ mod tests {
 
     #[test]
     fn committed_files_round_trip() {
-        for fam in ["net", "collnet"] {
-            for v in 5..=12 {
+        for (fam, versions) in [("net", 5..=12), ("collnet", 5..=12), ("rma", 13..=16)] {
+            for v in versions {
                 let d = committed(&format!("{fam}_v{v}"));
                 assert_eq!((d.family.as_str(), d.version), (fam, v));
                 let again = weft_api::model::parse_str(&d.to_string()).unwrap();

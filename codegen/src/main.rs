@@ -1,7 +1,7 @@
 //! `weft-codegen`: NCCL headers -> version descriptors in `api-versions/src/generated/`.
 //!
 //! ```text
-//! weft-codegen --write <dir> [--only net|collnet] [--versions 9-12] [--out DIR]
+//! weft-codegen --write <dir> [--only net|collnet|rma] [--versions 9-12] [--out DIR]
 //! weft-codegen --check <dir> [--versions 5-8] [--out DIR]
 //! weft-codegen --print <dir>
 //! ```
@@ -42,7 +42,7 @@ fn run() -> Result<(), String> {
                 ));
             }
             "--out" => out = PathBuf::from(args.next().ok_or("--out needs a directory")?),
-            "--only" => only = Some(args.next().ok_or("--only needs net or collnet")?),
+            "--only" => only = Some(args.next().ok_or("--only needs net, collnet or rma")?),
             "--versions" => {
                 let v = args.next().ok_or("--versions needs A-B")?;
                 let (a, b) = v.split_once('-').unwrap_or((&v, &v));
@@ -52,7 +52,7 @@ fn run() -> Result<(), String> {
                 ));
             }
             "-h" | "--help" => {
-                println!("usage: weft-codegen (--write|--check|--print) <NCCL header dir> [--versions A-B] [--only net|collnet] [--out DIR]");
+                println!("usage: weft-codegen (--write|--check|--print) <NCCL header dir> [--versions A-B] [--only net|collnet|rma] [--out DIR]");
                 return Ok(());
             }
             other => return Err(format!("unknown argument {other:?} (try --help)")),
@@ -67,17 +67,12 @@ fn run() -> Result<(), String> {
         versions.is_none_or(|(a, b)| (a..=b).contains(&d.version))
             && only.as_deref().is_none_or(|f| f == d.family)
     });
-    let source = format!(
-        "{} ({:?} layout)",
-        h.main.strip_prefix(&h.root).unwrap_or(&h.main).display(),
-        h.layout
-    );
     for s in &h.supplied {
         eprintln!("weft-codegen: supplied {s}");
     }
     if descs.is_empty() {
         return Err(format!(
-            "no ncclNet/ncclCollNet tables found in {}",
+            "no ncclNet/ncclCollNet/ncclRma tables found in {}",
             dir.display()
         ));
     }
@@ -90,7 +85,7 @@ fn run() -> Result<(), String> {
         "--write" => {
             for d in &descs {
                 let p = out.join(file_name(d));
-                std::fs::write(&p, render_file(d, &source))
+                std::fs::write(&p, render_file(d, &h.source_of(&d.family)))
                     .map_err(|e| format!("{}: {e}", p.display()))?;
                 eprintln!("weft-codegen: wrote {}", p.display());
             }

@@ -105,3 +105,47 @@ fn v99_needs_only_the_mapping_of_its_additions() {
     std::fs::write(&file, src).unwrap();
     trybuild::TestCases::new().pass(&file);
 }
+
+/// The next RMA version in one step: v16 as a synthetic `ncclRma_v17_t`
+/// goes through codegen and the proc macro against the real RMA adapter,
+/// with no hand-written code at all (every member is one v16 serves).
+#[test]
+fn rma_v17_is_a_descriptor_away() {
+    let committed = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../api-versions/src/generated/rma_v16.rs"
+    ))
+    .unwrap();
+    let v16 = weft_api::model::parse_str(&body_of_file(&committed).unwrap()).unwrap();
+    let v17 = as_version(&v16, 17);
+    assert_eq!(v17.symbol, "ncclRmaPlugin_v17");
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("next-rma-version");
+    let headers = out.join("include");
+    write_synthetic_headers(&v17, &headers).unwrap();
+    let (descs, _) = from_dir(&headers).expect("codegen reads the synthetic header");
+    let read = descs
+        .iter()
+        .find(|d| d.family == "rma" && d.version == 17)
+        .expect("codegen found ncclRma_v17_t");
+    assert_eq!(
+        read, &v17,
+        "codegen must read back exactly the synthetic v17"
+    );
+    let src = format!(
+        "{descriptor}\n\
+         rma_v17!(weft_macros::export {{ core = weft::adapter }});\n\n\
+         fn main() {{\n\
+             let t = &rma_v17::ncclRmaPlugin_v17;\n\
+             assert_eq!(std::mem::size_of::<rma_v17::ncclRma_v17_t>(), 22 * std::mem::size_of::<usize>());\n\
+             assert_eq!(std::mem::offset_of!(rma_v17::ncclRma_v17_t, getRmaProperties), 3 * std::mem::size_of::<usize>());\n\
+             assert!(t.iputSignal.is_some() && t.getRmaProperties.is_some() && t.rmaProgress.is_some());\n\
+             assert_eq!(unsafe {{ std::ffi::CStr::from_ptr(t.name) }}.to_str().unwrap(), \"Weft\");\n\
+             let mut n = -1;\n\
+             assert_ne!(unsafe {{ (t.devices.unwrap())(&mut n) }}, 0, \"devices before init is refused\");\n\
+         }}\n",
+        descriptor = render_file(read, "synthetic rma_v17.h")
+    );
+    let file = out.join("v17.rs");
+    std::fs::write(&file, src).unwrap();
+    trybuild::TestCases::new().pass(&file);
+}

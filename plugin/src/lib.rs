@@ -7,7 +7,8 @@
 //!
 //! Exports: rustc links a cdylib with its own version script that makes every
 //! symbol local except `#[no_mangle]` public items, and the only such items in
-//! Weft are the `ncclNetPlugin_vN` / `ncclCollNetPlugin_vN` tables. (A second
+//! Weft are the `ncclNetPlugin_vN` / `ncclCollNetPlugin_vN` /
+//! `ncclRmaPlugin_vN` tables. (A second
 //! version script of ours cannot narrow rustc's: ld lets its explicit `global`
 //! names win.) `tests/tests/symbols.rs` runs `nm -D --defined-only` on the
 //! built library and fails on any other exported symbol.
@@ -30,7 +31,7 @@ macro_rules! layers {
 
 layers!(
     adapter, collnet, config, core, device, error, fabric, freelist, gpu, log, memkind, mr, nccl,
-    proto
+    proto, rma
 );
 
 #[cfg(feature = "testing")]
@@ -48,6 +49,16 @@ pub const NCCL_RELEASES: &[(u32, &str)] = &[
     (10, "2.26-2.27"),
     (11, "2.28-2.29"),
     (12, "2.30-"),
+];
+
+/// The NCCL releases that pick each RMA API version (NCCL looks up the
+/// newest RMA table it knows, first in `libnccl-rma.so`, then in the net
+/// plugin's library).
+pub const NCCL_RMA_RELEASES: &[(u32, &str)] = &[
+    (13, "2.30.3-2.30.6"),
+    (14, "2.30.7-2.30.x"),
+    (15, "2.31"),
+    (16, "2.32-"),
 ];
 
 // The exported tables: one line per API version and family, generated from
@@ -72,3 +83,9 @@ weft_api::collnet_v9!(weft_macros::export { null = [regMrDmaBuf, makeVDevice] })
 weft_api::collnet_v10!(weft_macros::export { null = [regMrDmaBuf, makeVDevice] });
 weft_api::collnet_v11!(weft_macros::export { null = [regMrDmaBuf, makeVDevice] });
 weft_api::collnet_v12!(weft_macros::export { null = [regMrDmaBuf, makeVDevice] });
+// RMA (NCCL 2.30.3+): every member served, as a GIN-proxy device (the v13
+// loader requires it; see `rma` for what this build claims).
+weft_api::rma_v13!(weft_macros::export);
+weft_api::rma_v14!(weft_macros::export);
+weft_api::rma_v15!(weft_macros::export);
+weft_api::rma_v16!(weft_macros::export);

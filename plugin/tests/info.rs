@@ -93,8 +93,13 @@ fn json_report_is_what_the_tables_say() {
     assert_eq!(devs[0]["maxRecvs"], 8);
     assert_eq!(devs[0]["regIsGlobal"], 1);
     let tables = r["tables"].as_array().expect("tables");
-    assert_eq!(tables.len(), 16);
+    // Net and CollNet v5..v12, RMA v13..v16, with the releases that pick them.
+    assert_eq!(tables.len(), 20);
     assert!(tables.iter().all(|t| t["exported"] == true), "{tables:?}");
+    let rma: Vec<_> = tables.iter().filter(|t| t["family"] == "rma").collect();
+    assert_eq!(rma.len(), 4, "{tables:?}");
+    assert_eq!(rma[0]["table"], "ncclRmaPlugin_v16");
+    assert_eq!(rma[0]["nccl"], "2.32-");
     let provs = r["providers"].as_array().expect("providers");
     assert_eq!((provs.len(), &provs[0]["state"]), (1, &Value::from("used")));
     let cfg = r["configuration"].as_array().expect("configuration");

@@ -142,3 +142,37 @@ fn members_that_moved() {
         18 * PTR
     );
 }
+
+/// The RMA tables as NCCL's headers declare them: 21 members in v13 (GIN
+/// v13's table) to v15, 22 in v16, whose `getRmaProperties` is inserted
+/// fourth (a layout change, not an append); the configs and v16's
+/// properties struct.
+#[test]
+fn rma_tables() {
+    weft_tests::isolated!();
+    assert_eq!(size_of::<g::rma_v13::ncclRma_v13_t>(), 21 * PTR);
+    assert_eq!(size_of::<g::rma_v14::ncclRma_v14_t>(), 21 * PTR);
+    assert_eq!(size_of::<g::rma_v15::ncclRma_v15_t>(), 21 * PTR);
+    assert_eq!(size_of::<g::rma_v16::ncclRma_v16_t>(), 22 * PTR);
+    assert_eq!(offset_of!(g::rma_v13::ncclRma_v13_t, ginProgress), 18 * PTR);
+    assert_eq!(offset_of!(g::rma_v14::ncclRma_v14_t, rmaProgress), 18 * PTR);
+    assert_eq!(offset_of!(g::rma_v15::ncclRma_v15_t, iput), 13 * PTR);
+    assert_eq!(
+        offset_of!(g::rma_v16::ncclRma_v16_t, getRmaProperties),
+        3 * PTR
+    );
+    assert_eq!(
+        offset_of!(g::rma_v16::ncclRma_v16_t, getProperties),
+        4 * PTR
+    );
+    assert_eq!(offset_of!(g::rma_v16::ncclRma_v16_t, finalize), 21 * PTR);
+    // v13's GIN config: nSignals, nCounters, nContexts, queueDepth, trafficClass.
+    assert_eq!(size_of::<g::rma_v13::ncclGinConfig_v13_t>(), 20);
+    assert_eq!(offset_of!(g::rma_v13::ncclGinConfig_v13_t, nContexts), 8);
+    // v14+: nContexts, trafficClass, rankStride.
+    assert_eq!(size_of::<g::rma_v14::ncclRmaConfig_v14_t>(), 12);
+    assert_eq!(size_of::<g::rma_v16::ncclRmaConfig_v16_t>(), 12);
+    assert_eq!(size_of::<g::rma_v16::ncclRmaProperties_v16_t>(), 1);
+    // The devices are reported in v12's properties struct.
+    assert_eq!(size_of::<g::rma_v14::ncclNetProperties_v14_t>(), 128);
+}

@@ -13,7 +13,7 @@
 //! 4. `mr`, `error`;
 //! 5. `proto` (the protocols: hub, comms, handshake, wire);
 //! 6. `core` (the version-free plugin: contexts, devices, registrations, the keeper);
-//! 7. `collnet`;
+//! 7. `collnet` and `rma` (NCCL's CollNet and RMA plugins over the core);
 //! 8. `adapter` (the C boundary the generated tables call), `testing` (the
 //!    hooks and framing only Weft's tests use, cargo feature `testing`),
 //!    `tools` (what the `weft` and `weft-reducer` programs use).
@@ -34,7 +34,7 @@ const LAYERS: &[&[&str]] = &[
     &["mr", "error"],
     &["proto"],
     &["core"],
-    &["collnet"],
+    &["collnet", "rma"],
     &["adapter", "testing", "tools"],
 ];
 

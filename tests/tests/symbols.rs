@@ -37,19 +37,30 @@ fn exports_only_plugin_tables() {
         .lines()
         .filter_map(|l| l.split_whitespace().last())
         .collect();
-    let foreign: Vec<&&str> = exported
+    // Exactly the net and CollNet tables v5..v12 and the RMA tables
+    // v13..v16: nothing else (no `ncclGinPlugin_*`, which NCCL's GIN
+    // loaders would take for a GIN plugin), and none missing.
+    let mut want: Vec<String> = weft::NCCL_RELEASES
         .iter()
-        .filter(|s| {
-            let table = |p: &str| {
-                s.strip_prefix(p)
-                    .is_some_and(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
-            };
-            !(table("ncclNetPlugin_v") || table("ncclCollNetPlugin_v"))
+        .flat_map(|(v, _)| {
+            [
+                format!("ncclNetPlugin_v{v}"),
+                format!("ncclCollNetPlugin_v{v}"),
+            ]
         })
+        .chain(
+            weft::NCCL_RMA_RELEASES
+                .iter()
+                .map(|(v, _)| format!("ncclRmaPlugin_v{v}")),
+        )
         .collect();
-    assert!(
-        foreign.is_empty(),
-        "{} exports more than the plugin tables: {foreign:?}",
+    want.sort();
+    let mut got: Vec<String> = exported.iter().map(|s| (*s).to_owned()).collect();
+    got.sort();
+    assert_eq!(
+        got,
+        want,
+        "{} must export exactly the plugin tables",
         so.display()
     );
 }

@@ -17,3 +17,7 @@ mod net_v6;
 mod net_v7;
 mod net_v8;
 mod net_v9;
+mod rma_v13;
+mod rma_v14;
+mod rma_v15;
+mod rma_v16;

@@ -108,7 +108,7 @@ impl<T, U> Conv<*const U> for *const T {
 macro_rules! same {
     ($($t:ty),*) => { $(impl Conv<$t> for $t { fn conv(self) -> $t { self } })* };
 }
-same!(c_int, u64, usize, Option<Logger>);
+same!(c_int, u32, u64, usize, bool, Option<Logger>);
 impl Conv<CSize> for c_int {
     fn conv(self) -> CSize {
         CSize::Int(self)

@@ -12,7 +12,7 @@
 #[allow(unused_imports)]
 pub use std::ffi::{c_char, c_int, c_long, c_uint, c_ulong, c_void};
 #[allow(unused_imports)]
-pub use std::primitive::{f32, f64, i16, i32, i64, i8, isize, u16, u32, u64, u8, usize};
+pub use std::primitive::{bool, f32, f64, i16, i32, i64, i8, isize, u16, u32, u64, u8, usize};
 
 /// `ncclResult_t` (a C enum: `int`).
 pub type ncclResult_t = c_int;

@@ -164,3 +164,4 @@ fn ctx_or_process(ctx: *mut c_void) -> Result<*mut c_void> {
 
 pub mod collnet;
 pub mod net;
+pub mod rma;

@@ -20,7 +20,7 @@ use std::process::ExitCode;
 
 use nccl_net_weft::net_v12::{ncclNetCommConfig_v12_t, ncclNetProperties_v12_t, ncclNet_v12_t};
 use nccl_net_weft::tools::{self, Config, Outcome, Source};
-use nccl_net_weft::NCCL_RELEASES;
+use nccl_net_weft::{NCCL_RELEASES, NCCL_RMA_RELEASES};
 use serde_json::{json, Value};
 
 /// The library name NCCL looks for with `NCCL_NET_PLUGIN=weft`.
@@ -180,6 +180,15 @@ fn tables(lib: &Lib) -> Vec<Value> {
                 "nccl": releases,
             }));
         }
+    }
+    for &(v, releases) in NCCL_RMA_RELEASES.iter().rev() {
+        let sym = format!("ncclRmaPlugin_v{v}");
+        out.push(json!({
+            "table": sym,
+            "family": "rma",
+            "exported": lib.sym(&sym).is_some(),
+            "nccl": releases,
+        }));
     }
     out
 }

@@ -137,3 +137,43 @@ pub fn with_properties<T>(dev: i32, f: impl FnOnce(&Properties) -> Result<T>) ->
         f(&p.props[d.index])
     }
 }
+
+/// The physical devices (RMA devices are physical: NCCL builds no virtual
+/// ones for RMA).
+pub fn physical_devices() -> Result<usize> {
+    Ok(plugin()?.devices.len())
+}
+
+/// Runs `f` on what the RMA tables report for physical device `dev`
+/// ([`props::for_rma`]; it lives as long as the plugin, as the net
+/// properties do).
+pub fn with_rma_properties<T>(dev: i32, f: impl FnOnce(&Properties) -> Result<T>) -> Result<T> {
+    let p = plugin()?;
+    let props = usize::try_from(dev)
+        .ok()
+        .and_then(|d| p.rma_props.get(d))
+        .ok_or_else(|| {
+            Error::bad_handle(format!(
+                "RMA getProperties: device {dev} does not exist: Weft has {} physical device(s)",
+                p.rma_props.len()
+            ))
+        })?;
+    f(props)
+}
+
+/// Whether physical device `dev` can hold the memory NCCL's RMA path
+/// registers (its signals, flush buffer and windows are CUDA memory): `Err`
+/// says why not.
+pub fn rma_memory(dev: usize) -> Result<std::result::Result<(), String>> {
+    let p = plugin()?;
+    let d = p.devices.get(dev).ok_or_else(|| {
+        Error::bad_handle(format!("device {dev} is not a physical device"))
+    })?;
+    Ok(if !d.cuda {
+        Err("no GPU memory registration (NCCL_PTR_CUDA not claimed; the device's INFO line says why)".to_owned())
+    } else if d.domain.info().caps() & u64::from(libfabric_sys::FI_RMA) == 0 {
+        Err("the device was opened without FI_RMA (the sendrecv protocol)".to_owned())
+    } else {
+        Ok(())
+    })
+}

@@ -70,6 +70,10 @@ pub struct Plugin {
     pub devices: Vec<Arc<DeviceState>>,
     /// What `getProperties` reports for each device.
     pub props: Vec<Properties>,
+    /// What the RMA tables' `getProperties` reports for each device.
+    pub rma_props: Vec<Properties>,
+    /// Which start of the plugin in this process this is (1, 2, ...).
+    pub serial: u64,
     /// The protocol every comm uses.
     pub protocol: Arc<dyn Protocol>,
     /// Virtual devices `makeVDevice` made; NCCL numbers them after the
@@ -316,6 +320,11 @@ fn start(config: Option<Config>) -> Result<Running> {
         plugin: Arc::new(Plugin {
             config,
             devices,
+            rma_props: all_props.iter().map(props::for_rma).collect(),
+            serial: {
+                static STARTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                STARTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
+            },
             props: all_props,
             protocol,
             vdevs: Mutex::new(Vec::new()),
@@ -427,6 +436,12 @@ fn ctx(p: *mut c_void) -> Result<Arc<Ctx>> {
             "{p:p} is not a live Weft context (finalized, or not from this plugin)"
         ))
     })
+}
+
+/// Which start of the plugin in this process is running (1, 2, ...: each
+/// first `init` after a last `finalize` is a new one).
+pub fn start_serial() -> Result<u64> {
+    Ok(plugin()?.serial)
 }
 
 /// `WEFT_PEER_TIMEOUT` of the running plugin.

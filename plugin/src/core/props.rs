@@ -267,6 +267,22 @@ pub fn properties(index: usize, dev: &Device, config: &Config) -> Properties {
     }
 }
 
+/// `NCCL_NET_DEVICE_GIN_PROXY`: the device type an RMA plugin reports (the
+/// v13 loader refuses any other; NCCL's GIN proxy runs over it).
+pub const NET_DEVICE_GIN_PROXY: i32 = 2;
+
+/// What the RMA tables report for a physical device with net properties
+/// `net`: the same NIC (name, guid, PCI path: NCCL matches RMA devices to
+/// net devices by them, and builds no virtual ones), as a GIN-proxy device
+/// with one request per `test` (an RMA request is one operation).
+pub fn for_rma(net: &Properties) -> Properties {
+    Properties {
+        net_device_type: NET_DEVICE_GIN_PROXY,
+        max_recvs: 1,
+        ..net.clone()
+    }
+}
+
 /// The properties of a virtual device fused from `members` (the physical
 /// devices `devs`, in NCCL's order), as NCCL expects them: its own name
 /// (the members' joined with `+`, as NCCL's IB transport names fused NICs)
