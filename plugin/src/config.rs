@@ -77,6 +77,12 @@ pub const PARAMS: &[Param] = &[
         accepted: "comma-separated list; each item a file `weft-reducer --handle-file` wrote, or the handle's 256 hex digits that `weft-reducer` printed",
         meaning: "the reduction servers CollNet all-reduces go through (see \"CollNet\"); every rank of a group must list the same reducers in the same order. Files are read at CollNet `connect`, so reducers may start after the ranks' init",
     },
+    Param {
+        name: "WEFT_RMA",
+        default: "auto",
+        accepted: "`auto`, `off`",
+        meaning: "whether the RMA tables (`ncclRmaPlugin_v13` … `_v16`, NCCL 2.30 and later) claim devices: `auto` claims every device that registers GPU memory with FI_RMA (see docs/rma.md); `off` claims none, so NCCL uses its own RMA backends while Weft still carries the net and CollNet traffic",
+    },
 ];
 
 /// A reducer as `WEFT_COLLNET_REDUCERS` names it.
@@ -147,6 +153,8 @@ pub struct Config {
     pub stripe_size: usize,
     /// CollNet reduction servers.
     pub collnet_reducers: Vec<ReducerRef>,
+    /// Whether the RMA tables claim devices (`WEFT_RMA`).
+    pub rma: bool,
     /// Where each parameter of [`PARAMS`] came from, in that order.
     pub sources: Vec<Source>,
     /// The test-only switches ([`TEST_SWITCHES`]).
@@ -551,6 +559,14 @@ impl Config {
                 Source::Env("WEFT_COLLNET_REDUCERS"),
             );
         }
+        if let Some(v) = get("WEFT_RMA") {
+            set("WEFT_RMA", Source::Env("WEFT_RMA"));
+            c.rma = match v.trim() {
+                "auto" => true,
+                "off" => false,
+                _ => return Err(err("WEFT_RMA", &v, "neither auto nor off")),
+            };
+        }
         Ok(c)
     }
 
@@ -583,6 +599,7 @@ impl Config {
                     .collect::<Vec<_>>()
                     .join(", ")
             },
+            if self.rma { "auto" } else { "off" }.to_owned(),
         ];
         PARAMS
             .iter()
@@ -614,6 +631,7 @@ impl Default for Config {
             peer_timeout: Duration::from_secs(30),
             stripe_size: 128 << 10,
             collnet_reducers: Vec::new(),
+            rma: true,
             sources: vec![Source::Default; PARAMS.len()],
             test: TestSwitches::default(),
         }
@@ -711,6 +729,7 @@ mod tests {
         let bad = |name: &str| match name {
             "WEFT_PROVIDER" | "WEFT_IFACE" | "WEFT_COLLNET_REDUCERS" => "a,,b",
             "WEFT_PROTOCOL" => "udp",
+            "WEFT_RMA" => "on",
             "WEFT_PEER_TIMEOUT" => "0",
             _ => "-3",
         };

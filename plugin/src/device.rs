@@ -99,9 +99,12 @@ fn rma_of(provider: &str, hmem: bool, test: &TestSwitches) -> Vec<(String, Rma, 
         // Test switch: ask for offset addressing (shm offers either).
         h.mr_mode &= !libfabric_sys::FI_MR_VIRT_ADDR;
     }
+    // Reads too: the RMA tables' gets are `fi_read`.
     h.caps |= u64::from(libfabric_sys::FI_RMA)
         | u64::from(libfabric_sys::FI_WRITE)
-        | u64::from(libfabric_sys::FI_REMOTE_WRITE);
+        | u64::from(libfabric_sys::FI_REMOTE_WRITE)
+        | u64::from(libfabric_sys::FI_READ)
+        | u64::from(libfabric_sys::FI_REMOTE_READ);
     let Ok(list) = InfoList::get(&h) else {
         return Vec::new();
     };

@@ -51,6 +51,8 @@ pub const SYMBOLS: &[&str] = &[
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuFlushGPUDirectRDMAWrites",
+    "cuMemcpyHtoD_v2",
+    "cuMemcpyDtoH_v2",
 ];
 
 /// A driver that passed the probe.
@@ -312,6 +314,30 @@ impl Driver {
                     sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER,
                 )
             })
+        })
+    }
+
+    /// Adds `v` to the 64-bit value at `p` in device `dev`'s memory and
+    /// returns the new value: a read and a write through the driver
+    /// (`cuMemcpyDtoH`, `cuMemcpyHtoD`), so the caller must be the value's
+    /// only writer (the RMA signals: Weft applies every signal of a
+    /// registration under one lock; NCCL's GPU only waits on them).
+    ///
+    /// # Safety
+    /// `p..p+8` is device memory of `dev` that stays allocated for the call.
+    pub unsafe fn add_u64(&self, dev: i32, p: *mut u64, v: u64) -> Result<u64, String> {
+        self.in_context(dev, || {
+            let mut cur: u64 = 0;
+            // SAFETY: the caller's contract for `p`; `cur` is 8 host bytes.
+            check("cuMemcpyDtoH", unsafe {
+                sys::cuMemcpyDtoH_v2((&raw mut cur).cast(), p as sys::CUdeviceptr, 8)
+            })?;
+            let new = cur.wrapping_add(v);
+            // SAFETY: as above, the other way.
+            check("cuMemcpyHtoD", unsafe {
+                sys::cuMemcpyHtoD_v2(p as sys::CUdeviceptr, (&raw const new).cast(), 8)
+            })?;
+            Ok(new)
         })
     }
 }

@@ -1,10 +1,11 @@
 //! The RMA tables (`ncclRmaPlugin_v13` … `_v16`) as NCCL's RMA loader
 //! drives them: `init` twice per communicator (NCCL 2.30.7: once for RMA,
 //! once as its GIN proxy's backend), `getProperties(0)` (the v13 loader
-//! requires a GIN-proxy device), `devices`, and teardown. This build claims
-//! no RMA device (the data path is not built): `devices` must be 0 with one
-//! INFO line saying why, and every member that takes an RMA object must
-//! refuse what it is given, clear its outputs, and leave the host running.
+//! requires a GIN-proxy device), `devices`, and teardown, in a process
+//! with no CUDA driver: no device can register NCCL's CUDA memory, so
+//! `devices` must be 0 with one INFO line saying why, and every member that
+//! takes an RMA object must refuse what it is given, clear its outputs, and
+//! leave the host running. `rma_group.rs` runs the data path.
 
 use std::ffi::{c_int, c_void, CStr};
 use std::ptr::null_mut;

@@ -3,7 +3,8 @@
 //! `ginCtx`, its `createContext` and `regMrSym*` have one more output, its
 //! progress member is `ginProgress`, and every signal is strong); v15 adds
 //! `optFlags`, a hint that changes no semantics; v16 adds
-//! `getRmaProperties`.
+//! `getRmaProperties`. Every output slot is cleared first, so a refused
+//! call leaves no stale value behind.
 
 #![allow(non_snake_case)]
 
@@ -128,7 +129,8 @@ pub unsafe fn getRmaProperties(a: args::getRmaProperties) -> Result<()> {
     // SAFETY: NCCL's struct (NULL is refused).
     let out = unsafe { out_ref(a.rmaProps, "rmaProps")? };
     out.flushes_all_puts_on_any_signal = false;
-    Err(rma::not_ours("getRmaProperties", "collComm", a.collComm))
+    out.flushes_all_puts_on_any_signal = rma::flushes_all_puts_on_any_signal(a.collComm)?;
+    Ok(())
 }
 /// `listen`.
 ///
@@ -136,41 +138,73 @@ pub unsafe fn getRmaProperties(a: args::getRmaProperties) -> Result<()> {
 /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
 pub unsafe fn listen(a: args::listen) -> Result<()> {
     // SAFETY: NCCL's output slot and handle buffer (NULL is refused).
-    let (out, _h) = unsafe { (out_ref(a.listenComm, "listenComm")?, handle(a.handle)?) };
+    let (out, h) = unsafe { (out_ref(a.listenComm, "listenComm")?, handle(a.handle)?) };
     *out = std::ptr::null_mut();
-    rma::listen(a.ctx, a.dev)
+    *out = rma::listen(a.ctx, a.dev, h)?;
+    Ok(())
 }
 /// `connect` (NCCL's RMA proxy passes its *net* context here: `ctx` is
 /// not used).
 ///
 /// # Safety
-/// NCCL's pointer arguments are NULL or valid as the member's C contract says.
+/// NCCL's pointer arguments are NULL or valid as the member's C contract
+/// says: `handles` holds `nranks` pointers to handle buffers.
 pub unsafe fn connect(a: args::connect) -> Result<()> {
     // SAFETY: NCCL's output slot (NULL is refused).
     let out = unsafe { out_ref(a.collComm, "collComm")? };
     *out = std::ptr::null_mut();
-    let _ = (a.ctx, a.handles, a.nranks, a.rank);
-    Err(rma::not_ours("connect", "listen comm", a.listenComm))
+    let _ = a.ctx;
+    let n = usize::try_from(a.nranks)
+        .ok()
+        .filter(|&n| n >= 1)
+        .ok_or_else(|| Error::internal(format!("RMA connect: nranks = {}", a.nranks)))?;
+    if a.handles.is_null() {
+        return Err(Error::internal("RMA connect: NULL `handles` argument"));
+    }
+    // SAFETY: NCCL passes `nranks` handle pointers (checked non-NULL above).
+    let ptrs = unsafe { std::slice::from_raw_parts(a.handles, n) };
+    let hs = ptrs
+        .iter()
+        // SAFETY: each is NULL or a handle buffer of NCCL's (NULL is refused).
+        .map(|&p| unsafe { handle(p) }.map(|h| &*h))
+        .collect::<Result<Vec<_>>>()?;
+    *out = rma::connect(&hs, a.rank, a.listenComm)?;
+    Ok(())
 }
-/// `createContext`.
+/// `createContext`. v13's config is GIN v13's (`nContexts` its third
+/// field) and v13 alone passes `ginCtx`; v14+'s starts with `nContexts`.
 ///
 /// # Safety
 /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
 pub unsafe fn createContext(a: args::createContext) -> Result<()> {
     // SAFETY: NCCL's output slots (v13 has `ginCtx` and `devHandle`).
     unsafe { clear(&[a.rmaCtx, a.ginCtx, a.devHandle]) };
-    let _ = a.config;
-    Err(rma::not_ours("createContext", "collComm", a.collComm))
+    if a.config.is_null() {
+        return Err(Error::internal("RMA createContext: NULL `config` argument"));
+    }
+    let v13 = !a.ginCtx.is_null();
+    let at = if v13 { 2 } else { 0 };
+    // SAFETY: NCCL's config struct: v13's has five ints, v14+'s three.
+    let contexts = unsafe { a.config.cast::<c_int>().add(at).read_unaligned() };
+    let ctx = rma::create_context(a.collComm, contexts)?;
+    let slot = if v13 { a.ginCtx } else { a.rmaCtx };
+    // SAFETY: NCCL's output slot (NULL is refused).
+    *unsafe { out_ref(slot, "rmaCtx")? } = ctx;
+    Ok(())
 }
 /// `regMrSym`.
 ///
 /// # Safety
 /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
 pub unsafe fn regMrSym(a: args::regMrSym) -> Result<()> {
-    // SAFETY: NCCL's output slots (v13 has `ginHandle`).
+    // SAFETY: NCCL's output slots (v13 has `ginHandle`, left NULL: Weft is
+    // a proxy, no GPU reads it).
     unsafe { clear(&[a.mhandle, a.ginHandle]) };
-    let _ = (a.data, a.size, a.type_, a.mrFlags);
-    Err(rma::not_ours("regMrSym", "collComm", a.collComm))
+    let _ = a.mrFlags;
+    // SAFETY: NCCL's output slot (NULL is refused).
+    let out = unsafe { out_ref(a.mhandle, "mhandle")? };
+    *out = rma::reg_mr_sym(a.collComm, a.data, a.size, a.type_, None)?;
+    Ok(())
 }
 /// `regMrSymDmaBuf`.
 ///
@@ -179,79 +213,114 @@ pub unsafe fn regMrSym(a: args::regMrSym) -> Result<()> {
 pub unsafe fn regMrSymDmaBuf(a: args::regMrSymDmaBuf) -> Result<()> {
     // SAFETY: NCCL's output slots (v13 has `ginHandle`).
     unsafe { clear(&[a.mhandle, a.ginHandle]) };
-    let _ = (a.data, a.size, a.type_, a.offset, a.fd, a.mrFlags);
-    Err(rma::not_ours("regMrSymDmaBuf", "collComm", a.collComm))
+    let _ = a.mrFlags;
+    // SAFETY: NCCL's output slot (NULL is refused).
+    let out = unsafe { out_ref(a.mhandle, "mhandle")? };
+    *out = rma::reg_mr_sym(a.collComm, a.data, a.size, a.type_, Some((a.offset, a.fd)))?;
+    Ok(())
 }
 /// `deregMrSym`.
 ///
 /// # Safety
 /// As for every member: NCCL's arguments, as its C declaration says.
 pub unsafe fn deregMrSym(a: args::deregMrSym) -> Result<()> {
-    let _ = a.collComm;
-    Err(rma::not_ours("deregMrSym", "memory handle", a.mhandle))
+    rma::dereg_mr_sym(a.collComm, a.mhandle)
 }
 /// `destroyContext`.
 ///
 /// # Safety
 /// As for every member: NCCL's arguments, as its C declaration says.
 pub unsafe fn destroyContext(a: args::destroyContext) -> Result<()> {
-    let c = rma_ctx(a.rmaCtx, a.ginCtx);
-    Err(rma::not_ours("destroyContext", "context", c))
+    rma::destroy_context(rma_ctx(a.rmaCtx, a.ginCtx))
 }
 /// `closeColl`.
 ///
 /// # Safety
 /// As for every member: NCCL's arguments, as its C declaration says.
 pub unsafe fn closeColl(a: args::closeColl) -> Result<()> {
-    Err(rma::not_ours("closeColl", "collComm", a.collComm))
+    rma::close_coll(a.collComm)
 }
 /// `closeListen`.
 ///
 /// # Safety
 /// As for every member: NCCL's arguments, as its C declaration says.
 pub unsafe fn closeListen(a: args::closeListen) -> Result<()> {
-    Err(rma::not_ours("closeListen", "listen comm", a.listenComm))
+    rma::close_listen(a.listenComm)
+}
+/// Writes a new request to NCCL's slot (cleared first).
+///
+/// # Safety
+/// `slot` is NULL or NCCL's output slot.
+unsafe fn requested(slot: *mut *mut c_void, f: impl FnOnce() -> Result<*mut c_void>) -> Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { clear(&[slot]) };
+    // SAFETY: the caller's contract (NULL is refused).
+    let out = unsafe { out_ref(slot, "request")? };
+    *out = f()?;
+    Ok(())
 }
 /// `iput` (`optFlags`, v15+, is a hint).
 ///
 /// # Safety
 /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
 pub unsafe fn iput(a: args::iput) -> Result<()> {
+    let _ = a.optFlags;
+    let p = rma::Put {
+        context: a.context,
+        src: (a.srcOff, a.srcMhandle),
+        size: a.size,
+        dst: (a.dstOff, a.dstMhandle),
+        rank: a.rank,
+    };
     // SAFETY: NCCL's output slot.
-    unsafe { clear(&[a.request]) };
-    let _ = (a.context, a.srcOff, a.srcMhandle, a.size, a.dstOff, a.dstMhandle, a.rank, a.optFlags);
-    Err(rma::not_ours("iput", "context", rma_ctx(a.rmaCtx, a.ginCtx)))
+    unsafe { requested(a.request, || rma::iput(rma_ctx(a.rmaCtx, a.ginCtx), p, None)) }
 }
-/// `iputSignal` (v13: every signal strong).
+/// `iputSignal` (every signal is applied as a strong one: v13's are all
+/// strong, and a weak one may be stronger).
 ///
 /// # Safety
 /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
 pub unsafe fn iputSignal(a: args::iputSignal) -> Result<()> {
+    let _ = (a.isStrongSignal, a.optFlags);
+    let p = rma::Put {
+        context: a.context,
+        src: (a.srcOff, a.srcMhandle),
+        size: a.size,
+        dst: (a.dstOff, a.dstMhandle),
+        rank: a.rank,
+    };
+    let s = rma::Signal {
+        at: (a.signalOff, a.signalMhandle),
+        value: a.signalValue,
+        op: a.signalOp,
+    };
     // SAFETY: NCCL's output slot.
-    unsafe { clear(&[a.request]) };
-    let _ = (a.context, a.srcOff, a.srcMhandle, a.size, a.dstOff, a.dstMhandle, a.rank);
-    let _ = (a.signalOff, a.signalMhandle, a.signalValue, a.signalOp, a.isStrongSignal, a.optFlags);
-    Err(rma::not_ours("iputSignal", "context", rma_ctx(a.rmaCtx, a.ginCtx)))
+    unsafe { requested(a.request, || rma::iput(rma_ctx(a.rmaCtx, a.ginCtx), p, Some(s))) }
 }
 /// `iget`.
 ///
 /// # Safety
 /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
 pub unsafe fn iget(a: args::iget) -> Result<()> {
+    let _ = a.optFlags;
+    let g = rma::Put {
+        context: a.context,
+        src: (a.remoteOff, a.remoteMhandle),
+        size: a.size,
+        dst: (a.localOff, a.localMhandle),
+        rank: a.rank,
+    };
     // SAFETY: NCCL's output slot.
-    unsafe { clear(&[a.request]) };
-    let _ = (a.context, a.remoteOff, a.remoteMhandle, a.size, a.localOff, a.localMhandle, a.rank, a.optFlags);
-    Err(rma::not_ours("iget", "context", rma_ctx(a.rmaCtx, a.ginCtx)))
+    unsafe { requested(a.request, || rma::iget(rma_ctx(a.rmaCtx, a.ginCtx), g)) }
 }
 /// `iflush`.
 ///
 /// # Safety
 /// NCCL's pointer arguments are NULL or valid as the member's C contract says.
 pub unsafe fn iflush(a: args::iflush) -> Result<()> {
+    let c = rma_ctx(a.rmaCtx, a.ginCtx);
     // SAFETY: NCCL's output slot.
-    unsafe { clear(&[a.request]) };
-    let _ = (a.context, a.mhandle, a.rank);
-    Err(rma::not_ours("iflush", "context", rma_ctx(a.rmaCtx, a.ginCtx)))
+    unsafe { requested(a.request, || rma::iflush(c, a.context, a.mhandle, a.rank)) }
 }
 /// `test` (takes the collComm).
 ///
@@ -261,22 +330,22 @@ pub unsafe fn test(a: args::test) -> Result<()> {
     // SAFETY: NCCL's output slot (NULL is refused).
     let done = unsafe { out_ref(a.done, "done")? };
     *done = 0;
-    let _ = a.collComm;
-    Err(rma::not_ours("test", "request", a.request))
+    *done = c_int::from(rma::test(a.collComm, a.request)?);
+    Ok(())
 }
 /// `rmaProgress` (v14+).
 ///
 /// # Safety
 /// As for every member: NCCL's arguments, as its C declaration says.
 pub unsafe fn rmaProgress(a: args::rmaProgress) -> Result<()> {
-    Err(rma::not_ours("rmaProgress", "context", a.rmaCtx))
+    rma::progress(a.rmaCtx)
 }
 /// `ginProgress` (v13's `rmaProgress`).
 ///
 /// # Safety
 /// As for every member: NCCL's arguments, as its C declaration says.
 pub unsafe fn ginProgress(a: args::ginProgress) -> Result<()> {
-    Err(rma::not_ours("ginProgress", "context", a.ginCtx))
+    rma::progress(a.ginCtx)
 }
 /// `queryLastError`.
 ///
@@ -286,7 +355,8 @@ pub unsafe fn queryLastError(a: args::queryLastError) -> Result<()> {
     // SAFETY: NCCL's bool (NULL is refused).
     let out = unsafe { out_ref(a.hasError, "hasError")? };
     *out = false;
-    Err(rma::not_ours("queryLastError", "context", rma_ctx(a.rmaCtx, a.ginCtx)))
+    *out = rma::query_last_error(rma_ctx(a.rmaCtx, a.ginCtx))?;
+    Ok(())
 }
 /// `finalize`.
 ///

@@ -169,11 +169,34 @@ pub fn rma_memory(dev: usize) -> Result<std::result::Result<(), String>> {
     let d = p.devices.get(dev).ok_or_else(|| {
         Error::bad_handle(format!("device {dev} is not a physical device"))
     })?;
-    Ok(if !d.cuda {
+    Ok(if !p.config.rma {
+        Err("WEFT_RMA=off".to_owned())
+    } else if !d.cuda {
         Err("no GPU memory registration (NCCL_PTR_CUDA not claimed; the device's INFO line says why)".to_owned())
     } else if d.domain.info().caps() & u64::from(libfabric_sys::FI_RMA) == 0 {
         Err("the device was opened without FI_RMA (the sendrecv protocol)".to_owned())
     } else {
         Ok(())
     })
+}
+
+/// Physical device `dev` as an RMA device: its state, if it can hold NCCL's
+/// RMA memory ([`rma_memory`]), else an error saying why not.
+pub fn rma_device(dev: i32) -> Result<Arc<DeviceState>> {
+    let p = plugin()?;
+    let d = usize::try_from(dev)
+        .ok()
+        .and_then(|d| p.devices.get(d))
+        .ok_or_else(|| {
+            Error::bad_handle(format!(
+                "RMA device {dev} does not exist: Weft has {} physical device(s)",
+                p.devices.len()
+            ))
+        })?;
+    match rma_memory(d.index)? {
+        Ok(()) => Ok(Arc::clone(d)),
+        Err(why) => Err(Error::usage(format!(
+            "device {dev} is no RMA device: {why}"
+        ))),
+    }
 }

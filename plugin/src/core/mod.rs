@@ -336,9 +336,28 @@ fn start(config: Option<Config>) -> Result<Running> {
 /// The last context is gone: joins the keeper, closes whatever NCCL left
 /// open, and drops the devices (endpoints, registrations, domains, fabrics),
 /// so the library can be unloaded and loaded again.
+/// What a module above the core closes at the last finalize
+/// ([`at_teardown`]).
+static AT_TEARDOWN: Mutex<Vec<fn() -> usize>> = Mutex::new(Vec::new());
+
+/// Has `close` run at every last finalize, before the devices close: a
+/// module above the core (RMA) that holds device state closes its objects
+/// there and returns how many were left open. Registering twice is once.
+pub fn at_teardown(close: fn() -> usize) {
+    let mut v = AT_TEARDOWN.lock().unwrap_or_else(|e| e.into_inner());
+    if !v.iter().any(|f| std::ptr::fn_addr_eq(*f, close)) {
+        v.push(close);
+    }
+}
+
 fn teardown(r: Running) {
     drop(r.keeper);
-    let left = REG.listen.clear() + REG.send.clear() + REG.recv.clear() + REG.mr.clear();
+    let above: Vec<fn() -> usize> = AT_TEARDOWN.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let left = above.iter().map(|f| f()).sum::<usize>()
+        + REG.listen.clear()
+        + REG.send.clear()
+        + REG.recv.clear()
+        + REG.mr.clear();
     REG.connecting.clear();
     if left > 0 {
         tracing::warn!(

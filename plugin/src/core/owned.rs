@@ -237,6 +237,33 @@ impl RecvComm {
 #[derive(Debug)]
 pub struct MemHandle(pub(super) Owned<MrHandle>);
 
+impl MemHandle {
+    /// `regMr` of `size` bytes at `data` (`ptr_type`: `NCCL_PTR_HOST` or,
+    /// where the device claims it, `NCCL_PTR_CUDA`) on physical device
+    /// `dev`, without a comm (RMA registers on its collComm's device).
+    pub fn register(dev: &DeviceState, data: *mut c_void, size: usize, ptr_type: i32) -> Result<Self> {
+        let rails = [Arc::clone(&plugin()?.devices[dev.index])];
+        reg::reg_mr_on(dev.index, &rails, data, size, ptr_type).map(MemHandle)
+    }
+    /// `regMrDmaBuf` on physical device `dev` (see [`MemHandle::register`]).
+    pub fn register_dmabuf(
+        dev: &DeviceState,
+        data: *mut c_void,
+        size: usize,
+        ptr_type: i32,
+        offset: u64,
+        fd: i32,
+    ) -> Result<Self> {
+        let rails = [Arc::clone(&plugin()?.devices[dev.index])];
+        reg::reg_mr_dma_buf_on(dev.index, &rails, data, size, ptr_type, offset, fd).map(MemHandle)
+    }
+    /// Its registration (on its one device), and what memory it is.
+    pub fn mem(&self) -> Result<(proto::Mem, MemKind)> {
+        let h = self.0.get()?;
+        Ok((proto::Mem::first(&h.mems), h.kind()))
+    }
+}
+
 
 /// A request in flight: its comm (by serial number, as NCCL's token names
 /// it) and its slot.

@@ -69,6 +69,22 @@ pub fn reg_mr_dma_buf(
     fd: i32,
 ) -> Result<*mut c_void> {
     let (index, rails) = registering(comm, data, "regMrDmaBuf")?;
+    Ok(reg_mr_dma_buf_on(index, &rails, data, size, ptr_type, offset, fd)?.into_token())
+}
+
+/// [`reg_mr_dma_buf`] on device `index`, whose rails are `rails`.
+pub(super) fn reg_mr_dma_buf_on(
+    index: usize,
+    rails: &[Arc<DeviceState>],
+    data: *mut c_void,
+    size: usize,
+    ptr_type: i32,
+    offset: u64,
+    fd: i32,
+) -> Result<Owned<MrHandle>> {
+    if data.is_null() {
+        return Err(Error::internal("regMrDmaBuf: NULL address"));
+    }
     let d = rails.iter().find(|r| !r.dmabuf).unwrap_or(&rails[0]);
     if !d.dmabuf {
         return Err(Error::usage(format!(
@@ -90,10 +106,9 @@ pub fn reg_mr_dma_buf(
     let dev = cuda_device(data, "regMrDmaBuf")?;
     // SAFETY: NCCL registers memory it owns and keeps allocated until
     // deregMr, and keeps `fd` open for this call.
-    let h = register_on(index, &rails, data, size, |r| unsafe {
+    register_on(index, rails, data, size, |r| unsafe {
         r.mr.register_dmabuf(data as usize, size, dev, fd, offset)
-    })?;
-    Ok(h.into_token())
+    })
 }
 
 /// The device and rails of the comm a registration is for, and a check of

@@ -275,6 +275,34 @@ impl Endpoint {
         .map(drop)
     }
 
+    /// Reads `len` bytes of a peer's registered memory at `raddr` (key
+    /// `key`) into `buf` (`fi_read`). `FI_EAGAIN` means "progress the CQ and
+    /// retry".
+    ///
+    /// # Safety
+    /// `buf..buf+len` must stay valid and writable until the completion for
+    /// `ctx` is read; `desc` as for [`Endpoint::tsend`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn read(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        desc: *mut libc::c_void,
+        src: FiAddr,
+        raddr: u64,
+        key: u64,
+        ctx: *mut libc::c_void,
+    ) -> Result<(), FiError> {
+        let ep = self.live("fi_read")?;
+        self.check_desc("fi_read", len, desc)?;
+        // SAFETY: upheld by the caller as documented; the remote range is the
+        // peer's to validate (its provider checks the key and bounds).
+        check("fi_read", unsafe {
+            fi::fi_read(ep, buf.cast(), len, desc, src, raddr, key, ctx)
+        })
+        .map(drop)
+    }
+
     /// Where Weft honours `FI_MR_LOCAL` without the provider requiring it
     /// (`WEFT_TEST_MR_MODE=local`): a buffer posted without its
     /// registration's descriptor is refused, as such a provider would.
