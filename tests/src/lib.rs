@@ -10,6 +10,7 @@ pub mod matrix;
 pub mod micro;
 pub mod netns;
 pub mod peer;
+pub mod rma_group;
 
 use std::time::{Duration, Instant};
 

@@ -2,8 +2,10 @@
 //! x {rdma, sendrecv}, each cell in a process of its own (`weft-demo --cell`), driven the way
 //! that version's NCCL drives a plugin (tests/src/matrix/); and every
 //! CollNet table x {tcp;ofi_rxm, shm} (`weft-demo --collnet-cell`, a group
-//! of two ranks: tests/src/collnet_cell.rs). Prints one table of results
-//! with the number of checks; any failing cell fails.
+//! of two ranks: tests/src/collnet_cell.rs); and every RMA table x
+//! {tcp;ofi_rxm, shm} (two `weft-rma-rank` processes: tests/src/rma_group.rs).
+//! Prints the tables of results with the number of checks; any failing
+//! cell fails.
 
 use std::process::Command;
 use std::time::Instant;
@@ -68,9 +70,60 @@ fn version_matrix() {
     for r in &rows {
         println!("{r}");
     }
+    rma_rows(&providers, &mut failures);
     assert!(
         failures.is_empty(),
         "failing cells:\n{}",
         failures.join("\n\n")
     );
+}
+
+/// The RMA rows: every `ncclRmaPlugin_vN` table x provider, a group of two
+/// `weft-rma-rank` processes running the `full` scenario with puts up to
+/// 1 MiB (tests/src/rma_group.rs); checks are both ranks' `ok` lines.
+fn rma_rows(providers: &[&str], failures: &mut Vec<String>) {
+    const RANK: &str = env!("CARGO_BIN_EXE_weft-rma-rank");
+    let max_put = 1usize << 20;
+    let mut rows = Vec::new();
+    for &(v, releases) in weft::NCCL_RMA_RELEASES {
+        let mut row = format!("v{v:<3} {releases:<14}");
+        for &p in providers {
+            let t = Instant::now();
+            let outs = weft_tests::rma_group::run(RANK, v, 2, p, &[("MAX_PUT", "1048576")], "full");
+            let lacks: Vec<String> = outs
+                .iter()
+                .enumerate()
+                .flat_map(|(r, o)| {
+                    let mut l = weft_tests::rma_group::full_lacks(&o.stdout, max_put, v >= 16);
+                    if !o.ok {
+                        l.insert(0, o.stdout.lines().last().unwrap_or("no output").to_owned());
+                    }
+                    l.into_iter().map(move |x| format!("rank {r}: {x}"))
+                })
+                .collect();
+            let cell = if lacks.is_empty() {
+                let checks: usize = outs
+                    .iter()
+                    .map(|o| o.stdout.lines().filter(|l| l.starts_with("ok ")).count())
+                    .sum();
+                format!("pass ({checks}, {:.1} s)", t.elapsed().as_secs_f64())
+            } else {
+                failures.push(format!("RMA v{v} over {p}: {}", lacks.join("; ")));
+                "FAIL".to_owned()
+            };
+            row.push_str(&format!(" | {cell:<20}"));
+        }
+        rows.push(row);
+    }
+    println!(
+        "\nRMA tables (two weft-rma-rank processes per cell, fake CUDA driver; checks, time):"
+    );
+    let mut head = format!("{:<19}", "table  NCCL");
+    for p in providers {
+        head.push_str(&format!(" | {:<20}", format!("RMA {p}")));
+    }
+    println!("{head}");
+    for r in &rows {
+        println!("{r}");
+    }
 }

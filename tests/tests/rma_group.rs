@@ -5,44 +5,16 @@
 //! 0 B … 64 MiB checked the moment their signal shows (a signal seen
 //! before its puts fails the rank), every signal op, signal-only ops,
 //! 32 puts in flight per peer, weak signals into host memory, gets and
-//! flushes, forged handles and out-of-window offsets refused; and a rank
-//! that dies after connecting.
+//! flushes, forged handles and out-of-window offsets refused; a rank that
+//! dies after connecting, a stale key, `WEFT_RMA=off`. Every table between
+//! two ranks on tcp and shm is the version matrix's RMA rows (`matrix.rs`).
 
-use std::process::{Child, Command, Stdio};
+use weft_tests::rma_group::{self, full_lacks};
 
 const RANK: &str = env!("CARGO_BIN_EXE_weft-rma-rank");
-const FAKE: &str = env!("WEFT_FAKE_CUDA_DIR");
 
-fn spawn(
-    version: u32,
-    rank: u32,
-    n: u32,
-    dir: &std::path::Path,
-    provider: &str,
-    env: &[(&str, &str)],
-    scenario: &str,
-) -> Child {
-    let rest = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-    let mut c = Command::new(RANK);
-    c.args([version.to_string(), rank.to_string(), n.to_string()])
-        .arg(dir)
-        .arg(scenario)
-        .env("LD_LIBRARY_PATH", format!("{FAKE}:{rest}"))
-        .env("WEFT_TEST_HMEM", "system")
-        .env("WEFT_PROVIDER", provider)
-        .env("WEFT_PROTOCOL", "rdma")
-        .env("WEFT_IFACE", "lo")
-        .env("FI_TCP_IFACE", "lo")
-        .env("NCCL_DEBUG", "INFO")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c.spawn().expect("spawn weft-rma-rank")
-}
-
-/// Runs a group of `n` ranks; each rank's stdout, in rank order.
+/// Runs a group of `n` ranks; each rank's stdout, in rank order (every rank
+/// must exit 0).
 fn group(
     version: u32,
     n: u32,
@@ -50,91 +22,25 @@ fn group(
     env: &[(&str, &str)],
     scenario: &str,
 ) -> Vec<String> {
-    let dir = tempdir();
-    let kids: Vec<Child> = (0..n)
-        .map(|r| spawn(version, r, n, &dir, provider, env, scenario))
-        .collect();
-    let outs: Vec<_> = kids
+    rma_group::run(RANK, version, n, provider, env, scenario)
         .into_iter()
-        .map(|k| k.wait_with_output().expect("wait"))
-        .collect();
-    let _ = std::fs::remove_dir_all(&dir);
-    outs.iter()
         .enumerate()
         .map(|(r, o)| {
-            let text = String::from_utf8_lossy(&o.stdout).into_owned();
-            println!("--- v{version} {provider} rank {r} of {n}\n{text}");
+            println!("--- v{version} {provider} rank {r} of {n}\n{}", o.stdout);
             assert!(
-                o.status.success(),
-                "v{version} {provider} rank {r} of {n}: {}\n{text}\n{}",
-                o.status,
-                String::from_utf8_lossy(&o.stderr)
+                o.ok,
+                "v{version} {provider} rank {r} of {n}:\n{}\n{}",
+                o.stdout, o.stderr
             );
-            text
+            o.stdout
         })
         .collect()
 }
 
-fn tempdir() -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "weft-rma-{}-{:x}",
-        std::process::id(),
-        weft_nonce()
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn weft_nonce() -> u64 {
-    use std::hash::{BuildHasher, RandomState};
-    RandomState::new().hash_one(std::time::SystemTime::now())
-}
-
 fn full_ok(outs: &[String], max_put: usize, v16: bool) {
     for out in outs {
-        for size in [0usize, 1, 4096, 65536, 1 << 20] {
-            if size <= max_put {
-                assert!(
-                    out.contains(&format!(
-                        "ok put {size} B to every rank, seen with its signal"
-                    )),
-                    "{size}"
-                );
-            }
-        }
-        assert!(
-            out.contains(&format!("ok put {max_put} B to every rank")),
-            "{max_put}"
-        );
-        for line in [
-            "ok devices 1 netDeviceType 2",
-            "ok 32 puts in flight per peer, then a signal-only ADD seen after them",
-            "ok weak signals into host memory",
-            "ok gets from every rank, flushed",
-            "ok refused: past the window, forged handle",
-            "ok done",
-        ] {
-            assert!(out.contains(line), "{line}");
-        }
-        assert_eq!(out.contains("ok flushesAllPutsOnAnySignal false"), v16);
-    }
-}
-
-#[test]
-fn two_ranks_every_table_on_shm() {
-    weft_tests::isolated!();
-    for v in [13, 14, 15, 16] {
-        let outs = group(v, 2, "shm", &[("MAX_PUT", "1048576")], "full");
-        full_ok(&outs, 1 << 20, v == 16);
-    }
-}
-
-#[test]
-fn two_ranks_every_table_on_tcp() {
-    weft_tests::isolated!();
-    for v in [13, 14, 15, 16] {
-        let outs = group(v, 2, "tcp", &[("MAX_PUT", "1048576")], "full");
-        full_ok(&outs, 1 << 20, v == 16);
+        let lacks = full_lacks(out, max_put, v16);
+        assert!(lacks.is_empty(), "lacks {lacks:?}:\n{out}");
     }
 }
 
@@ -223,14 +129,9 @@ fn a_put_through_a_stale_key_is_refused_and_its_signal_held() {
 #[test]
 fn weft_rma_off_claims_no_device() {
     weft_tests::isolated!();
-    let dir = tempdir();
-    let out = spawn(16, 0, 1, &dir, "shm", &[("WEFT_RMA", "off")], "full")
-        .wait_with_output()
-        .expect("wait");
-    let _ = std::fs::remove_dir_all(&dir);
-    let text = String::from_utf8_lossy(&out.stdout);
+    let out = rma_group::run(RANK, 16, 1, "shm", &[("WEFT_RMA", "off")], "full");
     assert!(
-        !out.status.success() && text.contains("error devices = 0"),
-        "{text}"
+        !out[0].ok && out[0].stdout.contains("error devices = 0"),
+        "{out:?}"
     );
 }
