@@ -1,7 +1,8 @@
 //! The benchmark tools work and write what they promise. Nothing here checks
 //! a speed (the figures are read from `./weft bench`, never asserted): a tiny
 //! `weft-bench` run over shm must print the side-by-side table and write the
-//! CSV, JSON and PNG; `weft-bench --micro-only` must count instructions of
+//! CSV, JSON and PNG, and `--impls rma,put` measure Weft's RMA puts beside raw
+//! writes on shm and tcp; `weft-bench --micro-only` must count instructions of
 //! every micro case under callgrind.
 
 use std::process::Command;
@@ -14,12 +15,78 @@ fn out_dir(name: &str) -> std::path::PathBuf {
     d
 }
 
+/// Runs `weft-bench` with `args` writing into `dir`; its stdout (printed).
+fn bench(args: &[&str], dir: &std::path::Path) -> String {
+    let o = Command::new(BENCH)
+        .args(args)
+        .arg("--out")
+        .arg(dir)
+        .output()
+        .expect("run weft-bench");
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "weft-bench failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    println!("{stdout}");
+    stdout
+}
+
+/// Every point of the quick runs (8 B and 64 KiB) has a finite, positive median for each of
+/// `imps` in `dir`'s bench.csv, on provider `p`.
+fn csv_has(dir: &std::path::Path, p: &str, imps: &[&str]) {
+    let csv = std::fs::read_to_string(dir.join("bench.csv")).expect("bench.csv");
+    for (test, size) in [
+        ("bw", 8),
+        ("bw", 65536),
+        ("rate", 8),
+        ("lat", 8),
+        ("lat", 65536),
+    ] {
+        for imp in imps {
+            let prefix = format!("{p},{test},{size},");
+            let row = csv
+                .lines()
+                .find(|r| r.starts_with(&prefix) && r.split(',').nth(4) == Some(*imp))
+                .unwrap_or_else(|| panic!("no CSV row for {p} {test} {size} {imp}:\n{csv}"));
+            let median: f64 = row.split(',').nth(6).unwrap().parse().unwrap();
+            assert!(median > 0.0 && median.is_finite(), "{row}");
+        }
+    }
+}
+
+/// `--impls rma,put`: Weft's RMA puts with signals beside raw
+/// `fi_writedata`, every point measured for both.
+#[test]
+fn rma_puts_are_measured_beside_raw_writes() {
+    weft_tests::isolated!();
+    let dir = out_dir("put");
+    let args = [
+        "--quick",
+        "--reps",
+        "1",
+        "--providers",
+        "shm,tcp",
+        "--sizes",
+        "8,65536",
+    ];
+    let stdout = bench(
+        &[&args[..], &["--impls", "rma,put", "--no-plot"]].concat(),
+        &dir,
+    );
+    assert!(stdout.contains("put/write"), "the table lacks put/write");
+    for p in ["shm", "tcp"] {
+        csv_has(&dir, p, &["rma", "put"]);
+    }
+}
+
 #[test]
 fn quick_run_writes_table_csv_json_and_png() {
     weft_tests::isolated!();
     let dir = out_dir("run");
-    let o = Command::new(BENCH)
-        .args([
+    let stdout = bench(
+        &[
             "--quick",
             "--reps",
             "2",
@@ -27,18 +94,9 @@ fn quick_run_writes_table_csv_json_and_png() {
             "shm",
             "--sizes",
             "8,65536",
-        ])
-        .arg("--out")
-        .arg(&dir)
-        .output()
-        .expect("run weft-bench");
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "weft-bench failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&o.stderr)
+        ],
+        &dir,
     );
-    println!("{stdout}");
     for what in [
         "unidirectional bandwidth",
         "ping-pong latency",
@@ -49,25 +107,7 @@ fn quick_run_writes_table_csv_json_and_png() {
     ] {
         assert!(stdout.contains(what), "the table lacks {what:?}");
     }
-    let csv = std::fs::read_to_string(dir.join("bench.csv")).expect("bench.csv");
-    let rows: Vec<&str> = csv.lines().skip(1).collect();
-    for (test, size) in [
-        ("bw", 8),
-        ("bw", 65536),
-        ("rate", 8),
-        ("lat", 8),
-        ("lat", 65536),
-    ] {
-        for imp in ["raw", "rma", "weft"] {
-            let prefix = format!("shm,{test},{size},");
-            let row = rows
-                .iter()
-                .find(|r| r.starts_with(&prefix) && r.split(',').nth(4) == Some(imp))
-                .unwrap_or_else(|| panic!("no CSV row for {test} {size} {imp}:\n{csv}"));
-            let median: f64 = row.split(',').nth(6).unwrap().parse().unwrap();
-            assert!(median > 0.0 && median.is_finite(), "{row}");
-        }
-    }
+    csv_has(&dir, "shm", &["raw", "rma", "weft"]);
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("bench.json")).expect("bench.json"))
             .expect("bench.json parses");

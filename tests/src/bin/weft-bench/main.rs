@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick]
-//!            [--sizes 8,64,...] [--impls raw,rma,weft] [--raw-split] [--out DIR]
+//!            [--sizes 8,64,...] [--impls raw,rma,weft,put] [--raw-split] [--out DIR]
 //!            [--micro | --micro-only] [--no-plot] [--vdev]
 //! ```
 //!
@@ -29,7 +29,14 @@
 //! moves the same data with `fi_writedata` straight into the peer's buffer
 //! at the same offset (addresses and keys swapped once per size, no control
 //! message per write); a receive completes when a write's immediate arrives.
-//! Its "go" messages stay tagged, as in the other two. Output: a table (medians, spread = (max-min)/median,
+//! Its "go" messages stay tagged, as in the other two. `put` (not in the
+//! default set) is Weft's one-sided RMA through `ncclRmaPlugin_v16`: each
+//! message an `iputSignal` (strong INC) into the peer's buffer at the same
+//! offset, a receive done once its tag's signal counts it, "go" a
+//! signal-only op; compare it with `rma`. Its processes run with the fake
+//! CUDA driver and `WEFT_TEST_HMEM=system` (RMA claims devices only where
+//! CUDA memory registers), which also changes what `weft` measures in the
+//! same run, so run `--impls rma,put` on its own. Output: a table (medians, spread = (max-min)/median,
 //! Weft/raw), `bench.csv`, `bench.json` and `bench.png` (bandwidth vs size) in
 //! `--out` (default `target/bench`). `--micro` adds instruction counts of the
 //! micro-benchmark cases under callgrind (see `weft-micro`); `--micro-only`
@@ -138,7 +145,7 @@ fn run() -> Res<()> {
             // Read by both processes (the server inherits it).
             "--vdev" => std::env::set_var("WEFT_BENCH_VDEV", "1"),
             "-h" | "--help" => {
-                println!("usage: weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick] [--sizes 8,64,...] [--impls raw,rma,weft] [--raw-split] [--out DIR] [--micro | --micro-only] [--no-plot] [--vdev]");
+                println!("usage: weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick] [--sizes 8,64,...] [--impls raw,rma,weft,put] [--raw-split] [--out DIR] [--micro | --micro-only] [--no-plot] [--vdev]");
                 return Ok(());
             }
             other => return Err(format!("unknown argument {other:?}; try --help")),
@@ -211,6 +218,17 @@ fn run() -> Res<()> {
         ]);
         if quick {
             cmd.arg("--quick");
+        }
+        if impls.iter().any(|i| i == "put") {
+            // Weft's RMA claims a device only where NCCL's CUDA memory
+            // registers: here, the fake driver's, as in the RMA tests.
+            let rest = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+            cmd.env(
+                "LD_LIBRARY_PATH",
+                format!("{}:{rest}", weft_tests::rma_group::FAKE_CUDA),
+            )
+            .env("WEFT_TEST_HMEM", "system")
+            .env("WEFT_PROTOCOL", "rdma");
         }
         let o = cmd
             .stderr(Stdio::inherit())

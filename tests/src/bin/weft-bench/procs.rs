@@ -47,6 +47,22 @@ pub(super) fn serve(provider: &str, version: u32, split: bool) -> Res<()> {
                 ))?;
                 continue;
             }
+            Some("rma") => {
+                // Weft's RMA (`put`): rank 0 here, rank 1 the client.
+                let (mut put, l, mut mine) = Put::listen(&lib)?;
+                let mut theirs: [u8; 128] = unhex(w.get(1).ok_or("rma: no handle")?)?
+                    .try_into()
+                    .map_err(|_| "rma: the handle is not 128 bytes")?;
+                say(&format!("ok {}", hex(&mine)))?;
+                put.connect(l, [&mut mine, &mut theirs], 0)?;
+                side.put = Some(put);
+            }
+            Some("symreg") => {
+                let b = bufs.as_mut().ok_or("prep first")?;
+                let put = side.put.as_ref().ok_or("rma first")?;
+                put.register(&mut b.data)?;
+                put.register(&mut b.pong)?;
+            }
             Some("bw") => {
                 let b = bufs.as_ref().ok_or("prep first")?;
                 bw_recv(
@@ -134,7 +150,7 @@ pub(super) struct Plan {
 
 /// The implementations of repetition `rep`, in alternating order.
 pub(super) fn order(plan: &Plan, rep: usize) -> Vec<&'static str> {
-    let mut v: Vec<&'static str> = ["raw", "rma", "weft"]
+    let mut v: Vec<&'static str> = ["raw", "rma", "weft", "put"]
         .into_iter()
         .filter(|i| plan.impls.iter().any(|p| p == i))
         .collect();
@@ -169,6 +185,18 @@ pub(super) fn client(provider: &str, version: u32, plan: &Plan) -> Res<()> {
         |s| srv.say(s),
         || Ok(hello.clone()),
     )?;
+    if plan.impls.iter().any(|i| i == "put") {
+        let (mut put, l, mut mine) = Put::listen(&lib)?;
+        srv.say(&format!("rma {}", hex(&mine)))?;
+        let reply = srv.ok()?;
+        let mut theirs: [u8; 128] =
+            unhex(reply.split_whitespace().nth(1).ok_or("rma: no handle")?)?
+                .try_into()
+                .map_err(|_| "rma: the server's handle is not 128 bytes")?;
+        put.connect(l, [&mut theirs, &mut mine], 1)?;
+        srv.ok()?;
+        side.put = Some(put);
+    }
     let mut bufs: Option<Bufs> = None;
     let mut out = std::io::stdout();
     let mut emit = |v: serde_json::Value| -> Res<()> {
@@ -199,6 +227,13 @@ pub(super) fn client(provider: &str, version: u32, plan: &Plan) -> Res<()> {
         };
         side.raw.remote[Tag::Data as usize] = (base, key);
         side.raw.remote[Tag::Ping as usize] = (base, key);
+        if let Some(put) = &side.put {
+            // Symmetric: the server registers its data and pong buffers now too.
+            srv.say("symreg")?;
+            put.register(&mut b.data)?;
+            put.register(&mut b.pong)?;
+            srv.ok()?;
+        }
         for &window in &plan.windows {
             let count = round_count(size, window, plan.quick);
             let mut vals: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
@@ -216,6 +251,7 @@ pub(super) fn client(provider: &str, version: u32, plan: &Plan) -> Res<()> {
                         vals.entry(match imp {
                             "raw" => "raw-rate",
                             "rma" => "rma-rate",
+                            "put" => "put-rate",
                             _ => "weft-rate",
                         })
                         .or_default()

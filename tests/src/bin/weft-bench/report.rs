@@ -77,7 +77,7 @@ pub(super) fn table(m: &BTreeMap<Key, BTreeMap<String, Vec<f64>>>) -> (String, S
                 _ => "ping-pong latency, half round trip, us",
             };
             t.push_str(&format!(
-                "\n{p}: {what}\n{:<9} {:>6} {:>11} {:>7} {:>11} {:>7} {:>10} {:>11} {:>10}\n",
+                "\n{p}: {what}\n{:<9} {:>6} {:>11} {:>7} {:>11} {:>7} {:>10} {:>11} {:>10} {:>11} {:>10}\n",
                 "size",
                 "window",
                 "raw",
@@ -86,7 +86,9 @@ pub(super) fn table(m: &BTreeMap<Key, BTreeMap<String, Vec<f64>>>) -> (String, S
                 "spread",
                 "weft/raw",
                 "raw write",
-                "weft/write"
+                "weft/write",
+                "weft put",
+                "put/write"
             ));
             last = head;
         }
@@ -112,8 +114,17 @@ pub(super) fn table(m: &BTreeMap<Key, BTreeMap<String, Vec<f64>>>) -> (String, S
         } else {
             format!("{:.3}", wm / mm)
         };
+        // Weft's RMA put with a signal, against the same raw write.
+        let (pm, plo, phi) = stats(imps.get("put").map_or(&[][..], |v| v));
+        let put_vs_write = if pm.is_nan() || mm.is_nan() {
+            "-".to_owned()
+        } else if test == "lat" {
+            format!("{:+.2} us", pm - mm)
+        } else {
+            format!("{:.3}", pm / mm)
+        };
         t.push_str(&format!(
-            "{:<9} {:>6} {:>11.3} {:>6.1}% {:>11.3} {:>6.1}% {:>10} {:>11.3} {:>10}\n",
+            "{:<9} {:>6} {:>11.3} {:>6.1}% {:>11.3} {:>6.1}% {:>10} {:>11.3} {:>10} {:>11.3} {:>10}\n",
             human(*size),
             w,
             rm,
@@ -122,12 +133,15 @@ pub(super) fn table(m: &BTreeMap<Key, BTreeMap<String, Vec<f64>>>) -> (String, S
             (whi - wlo) / wm * 100.0,
             diff,
             mm,
-            vs_write
+            vs_write,
+            pm,
+            put_vs_write
         ));
         for (imp, (med, lo, hi), n) in [
             ("raw", (rm, rlo, rhi), imps.get("raw").map_or(0, Vec::len)),
             ("rma", (mm, mlo, mhi), imps.get("rma").map_or(0, Vec::len)),
             ("weft", (wm, wlo, whi), imps.get("weft").map_or(0, Vec::len)),
+            ("put", (pm, plo, phi), imps.get("put").map_or(0, Vec::len)),
         ] {
             if n == 0 {
                 continue;

@@ -8,6 +8,10 @@ use super::*;
 pub(super) enum Req {
     Raw(usize),
     Weft(*mut c_void),
+    /// A put (or signal-only op) of Weft's RMA table.
+    Put(*mut c_void),
+    /// A receive of RMA data: done once the tag's signal reaches the count.
+    Signal(usize, u64),
 }
 
 /// Registered memory: one buffer, usable by both transports.
@@ -16,6 +20,8 @@ pub(super) struct Buf {
     pub(super) raw: Option<Mr>,
     /// Weft memory handles on (send comm, receive comm).
     pub(super) weft: (*mut c_void, *mut c_void),
+    /// Its symmetric handle on Weft's RMA collComm (`put`), once made.
+    pub(super) sym: *mut c_void,
 }
 
 impl Buf {
@@ -297,10 +303,11 @@ impl Transport for Weft {
     }
 }
 
-/// Both transports of one process.
+/// Both transports of one process (and Weft's RMA, with `put`).
 pub(super) struct Side {
     pub(super) raw: Raw,
     pub(super) weft: Weft,
+    pub(super) put: Option<Put>,
 }
 
 /// A process's buffers: data slots, the pong buffer, and a small one for "go".
@@ -352,10 +359,17 @@ impl Side {
             data,
             raw: Some(raw),
             weft: (s, r),
+            sym: std::ptr::null_mut(),
         })
     }
 
     pub(super) fn unreg(&self, b: Buf) -> Res<()> {
+        if let (Some(p), false) = (&self.put, b.sym.is_null()) {
+            // SAFETY: a handle of this side's live collComm.
+            rc("deregMrSym", unsafe {
+                (p.t.deregMrSym.ok_or("no deregMrSym")?)(p.coll, b.sym)
+            })?;
+        }
         let w = &self.weft;
         // SAFETY: handles of this side's live comms.
         unsafe {
@@ -370,6 +384,11 @@ impl Side {
         match which {
             "raw" | "rma" => Ok(&mut self.raw),
             "weft" => Ok(&mut self.weft),
+            "put" => self
+                .put
+                .as_mut()
+                .map(|p| p as &mut dyn Transport)
+                .ok_or_else(|| "put: Weft's RMA was not connected".to_owned()),
             other => Err(format!("unknown transport {other:?}")),
         }
     }
@@ -457,12 +476,19 @@ pub(super) fn connect(
         send: s,
         recv: r,
     };
-    Ok(Side { raw, weft })
+    Ok(Side {
+        raw,
+        weft,
+        put: None,
+    })
 }
 
 pub(super) fn close(side: Side, bufs: Option<Bufs>, version: u32) -> Res<()> {
     if let Some(b) = bufs {
         b.free(&side)?;
+    }
+    if let Some(p) = &side.put {
+        p.close()?;
     }
     let w = &side.weft;
     // SAFETY: live comms and context, closed once.
@@ -474,4 +500,203 @@ pub(super) fn close(side: Side, bufs: Option<Bufs>, version: u32) -> Res<()> {
         }
     }
     Ok(())
+}
+
+/// Weft's one-sided RMA through its `ncclRmaPlugin_v16` table, as the
+/// `put` transport: a message is an `iputSignal` (strong INC) from the
+/// sender's buffer into the peer's same buffer at the same offset, the
+/// signal of its tag counting it; a receive completes once that signal
+/// reaches its count (raw `rma` does the same with `fi_writedata` and
+/// its immediate). "go" is a signal-only op.
+pub(super) struct Put {
+    pub(super) t: &'static weft::rma_v16::ncclRma_v16_t,
+    ctx: *mut c_void,
+    pub(super) coll: *mut c_void,
+    rctx: *mut c_void,
+    /// One 64-bit signal per tag, host memory the plugin adds to.
+    sig: Box<[u64; 5]>,
+    sig_mh: *mut c_void,
+    asked: [u64; 5],
+    peer: u32,
+}
+
+/// A member of the RMA table, or an error naming it.
+macro_rules! member {
+    ($t:expr, $m:ident) => {
+        $t.$m
+            .ok_or(concat!("the RMA table has no ", stringify!($m)))?
+    };
+}
+
+impl Put {
+    /// `init`, `devices`, `listen`: the context and this rank's handle.
+    pub(super) fn listen(
+        lib: &libloading::os::unix::Library,
+    ) -> Res<(Self, *mut c_void, [u8; 128])> {
+        // SAFETY: the symbol is the library's static RMA table (layout
+        // checked by tests/tests/abi.rs); the library stays loaded.
+        let t: &'static weft::rma_v16::ncclRma_v16_t = unsafe {
+            let s: libloading::os::unix::Symbol<*const weft::rma_v16::ncclRma_v16_t> = lib
+                .get(b"ncclRmaPlugin_v16")
+                .map_err(|e| format!("dlsym ncclRmaPlugin_v16: {e}"))?;
+            &**s
+        };
+        let (mut ctx, mut l, mut n) = (std::ptr::null_mut(), std::ptr::null_mut(), 0);
+        let mut h = [0u8; 128];
+        // SAFETY: NCCL's calling convention; the outputs are live locals.
+        unsafe {
+            rc("RMA init", member!(t, init)(&mut ctx, 0, None))?;
+            rc("RMA devices", member!(t, devices)(&mut n))?;
+            if n < 1 {
+                return Err("RMA: Weft claims no RMA device (needs the fake CUDA driver and WEFT_TEST_HMEM=system here)".into());
+            }
+            rc(
+                "RMA listen",
+                member!(t, listen)(ctx, 0, h.as_mut_ptr().cast(), &mut l),
+            )?;
+        }
+        let p = Self {
+            t,
+            ctx,
+            coll: std::ptr::null_mut(),
+            rctx: std::ptr::null_mut(),
+            sig: Box::new([0; 5]),
+            sig_mh: std::ptr::null_mut(),
+            asked: [0; 5],
+            peer: 0,
+        };
+        Ok((p, l, h))
+    }
+
+    /// `connect` (collective: both ranks call it), `createContext`, and
+    /// the signals' symmetric registration.
+    pub(super) fn connect(
+        &mut self,
+        l: *mut c_void,
+        handles: [&mut [u8; 128]; 2],
+        rank: u32,
+    ) -> Res<()> {
+        let t = self.t;
+        let mut hs: Vec<*mut c_void> = handles.into_iter().map(|h| h.as_mut_ptr().cast()).collect();
+        self.peer = 1 - rank;
+        let mut cfg = weft::rma_v16::ncclRmaConfig_v16_t {
+            nContexts: 1,
+            trafficClass: -1,
+            rankStride: 1,
+        };
+        // SAFETY: NCCL's calling convention; the handles live across the call.
+        unsafe {
+            rc(
+                "RMA connect",
+                member!(t, connect)(
+                    std::ptr::null_mut(),
+                    hs.as_mut_ptr(),
+                    2,
+                    rank as c_int,
+                    l,
+                    &mut self.coll,
+                ),
+            )?;
+            rc("RMA closeListen", member!(t, closeListen)(l))?;
+            rc(
+                "RMA createContext",
+                member!(t, createContext)(self.coll, &mut cfg, &mut self.rctx),
+            )?;
+            rc(
+                "RMA regMrSym (signals)",
+                member!(t, regMrSym)(
+                    self.coll,
+                    self.sig.as_mut_ptr().cast(),
+                    40,
+                    1,
+                    0,
+                    &mut self.sig_mh,
+                ),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `regMrSym` of a buffer (symmetric: the peer registers its own
+    /// buffer of the same role at the same time).
+    pub(super) fn register(&self, b: &mut Buf) -> Res<()> {
+        // SAFETY: the buffer outlives its handle (`Side::unreg`).
+        rc("RMA regMrSym", unsafe {
+            member!(self.t, regMrSym)(self.coll, b.ptr(0).cast(), b.data.len(), 1, 0, &mut b.sym)
+        })
+    }
+
+    fn close(&self) -> Res<()> {
+        let t = self.t;
+        // SAFETY: this side's live objects, closed once.
+        unsafe {
+            rc(
+                "RMA deregMrSym",
+                member!(t, deregMrSym)(self.coll, self.sig_mh),
+            )?;
+            rc("RMA destroyContext", member!(t, destroyContext)(self.rctx))?;
+            rc("RMA closeColl", member!(t, closeColl)(self.coll))?;
+            rc("RMA finalize", member!(t, finalize)(self.ctx))
+        }
+    }
+}
+
+impl Transport for Put {
+    fn send(&mut self, b: &Buf, off: usize, size: usize, tag: Tag) -> Res<Req> {
+        let (src, len, mh) = match tag {
+            Tag::Go => (0, 0, std::ptr::null_mut()),
+            _ => (off as u64, size, b.sym),
+        };
+        let t = self.t;
+        let mut q = std::ptr::null_mut();
+        // SAFETY: live context and handles; the buffer outlives the request.
+        rc("iputSignal", unsafe {
+            member!(t, iputSignal)(
+                self.rctx,
+                0,
+                src,
+                mh,
+                len,
+                src,
+                mh,
+                self.peer,
+                tag as u64 * 8,
+                self.sig_mh,
+                0,
+                1,
+                true,
+                0,
+                &mut q,
+            )
+        })?;
+        Ok(Req::Put(q))
+    }
+
+    fn recv(&mut self, _b: &Buf, _off: usize, _size: usize, tag: Tag) -> Res<Req> {
+        let t = tag as usize;
+        self.asked[t] += 1;
+        Ok(Req::Signal(t, self.asked[t]))
+    }
+
+    fn done(&mut self, r: Req) -> Res<bool> {
+        let t = self.t;
+        match r {
+            Req::Put(q) => {
+                let mut done = 0;
+                // SAFETY: a live request of this collComm.
+                rc("RMA test", unsafe {
+                    member!(t, test)(self.coll, q, &mut done)
+                })?;
+                Ok(done == 1)
+            }
+            Req::Signal(tag, want) => {
+                // SAFETY: the live RMA context.
+                rc("rmaProgress", unsafe { member!(t, rmaProgress)(self.rctx) })?;
+                // SAFETY: the plugin adds to it atomically, from this thread.
+                let v = unsafe { std::ptr::read_volatile(&self.sig[tag]) };
+                Ok(v >= want)
+            }
+            _ => Err("not a request of the put transport".into()),
+        }
+    }
 }
