@@ -705,6 +705,8 @@ impl Coll {
                     Ev::Landed(..) => r.strangers += 1,
                     Ev::Ctrl { token, .. } if token != their_token => r.strangers += 1,
                     Ev::Ctrl { .. } => match Msg::decode(bytes) {
+                        // A rank declared dead applies nothing more here.
+                        Ok(Msg::Signal { .. }) if r.dead.is_some() => r.strangers += 1,
                         Ok(Msg::Signal { puts, seq, off, value }) => {
                             r.arrivals.signal(Signal { after: puts, seq, off, value }, now)
                         }
@@ -767,6 +769,10 @@ impl Coll {
         }
         for (_, req) in r.queue.drain(..) {
             req.fail(Error::remote(why.clone()));
+        }
+        let held = r.arrivals.forget();
+        if held > 0 {
+            tracing::warn!("RMA collComm: {held} signal(s) from {} will not be applied: {why}", r.name);
         }
         last_error.get_or_insert(why.clone());
         r.dead = Some(why);

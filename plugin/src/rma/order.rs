@@ -55,6 +55,14 @@ impl Arrivals {
         }
     }
 
+    /// Forgets the signals still waiting (their sender was declared dead:
+    /// they will never be applied).
+    pub fn forget(&mut self) -> usize {
+        let n = self.waiting.len();
+        self.waiting.clear();
+        n
+    }
+
     /// How long the oldest signal has waited for its writes at `now`, and
     /// how many it still lacks. A write the target's provider refused (a
     /// stale or forged key) never lands and is never reported to its
@@ -97,6 +105,9 @@ mod tests {
         a.landed();
         assert_eq!(a.ready().map(|s| s.value), Some(1));
         assert_eq!(a.stalled(t0 + Duration::from_secs(6)), None);
+        a.signal(sig(9, 2), t0);
+        assert_eq!(a.forget(), 1);
+        assert_eq!(a.stalled(t0), None);
     }
 
     fn drain(a: &mut Arrivals) -> Vec<u64> {
