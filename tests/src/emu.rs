@@ -318,18 +318,22 @@ net_impl!(NetV10, net_v10, ncclNet_v10_t, ncclNetProperties_v10_t, 10, init: log
 net_impl!(NetV11, net_v11, ncclNet_v11_t, ncclNetProperties_v11_t, 11, init: ctx, ctx: ctx, connect: ctx, accept: dev, regsize: usize, size: usize, phandle: yes, regglobal: yes, vdev: ncclNetVDeviceProps_v11_t, dmabuf: yes);
 net_impl!(NetV12, net_v12, ncclNet_v12_t, ncclNetProperties_v12_t, 12, init: ctx, ctx: ctx, connect: ctx, accept: dev, regsize: usize, size: usize, phandle: yes, regglobal: yes, vdev: ncclNetVDeviceProps_v12_t, dmabuf: yes);
 
+/// The exported table `name` of the loaded plugin, as a `T` (one of the
+/// generated table types: its layout is checked by tests/tests/abi.rs).
+/// The library must stay loaded while the table is used.
+pub fn sym<T>(lib: &libloading::os::unix::Library, name: &str) -> &'static T {
+    // SAFETY: the symbol is a static table of type T (layout checked by
+    // the ABI guard); the library stays loaded for the whole test.
+    unsafe {
+        let s: libloading::os::unix::Symbol<*const T> = lib
+            .get(name.as_bytes())
+            .unwrap_or_else(|e| panic!("dlsym {name}: {e}"));
+        &**s
+    }
+}
+
 /// Looks up `ncclNetPlugin_v<version>` and wraps it.
 pub fn net(lib: &libloading::os::unix::Library, version: u32) -> Box<dyn Net> {
-    fn sym<T>(lib: &libloading::os::unix::Library, name: &str) -> &'static T {
-        // SAFETY: the symbol is a static table of type T (layout checked by
-        // the ABI guard); the library stays loaded for the whole test.
-        unsafe {
-            let s: libloading::os::unix::Symbol<*const T> = lib
-                .get(name.as_bytes())
-                .unwrap_or_else(|e| panic!("dlsym {name}: {e}"));
-            &**s
-        }
-    }
     let name = format!("ncclNetPlugin_v{version}");
     match version {
         5 => Box::new(NetV5(sym(lib, &name))),

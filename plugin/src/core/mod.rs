@@ -333,9 +333,6 @@ fn start(config: Option<Config>) -> Result<Running> {
     })
 }
 
-/// The last context is gone: joins the keeper, closes whatever NCCL left
-/// open, and drops the devices (endpoints, registrations, domains, fabrics),
-/// so the library can be unloaded and loaded again.
 /// What a module above the core closes at the last finalize
 /// ([`at_teardown`]).
 static AT_TEARDOWN: Mutex<Vec<fn() -> usize>> = Mutex::new(Vec::new());
@@ -350,6 +347,9 @@ pub fn at_teardown(close: fn() -> usize) {
     }
 }
 
+/// The last context is gone: joins the keeper, closes whatever NCCL left
+/// open, and drops the devices (endpoints, registrations, domains, fabrics),
+/// so the library can be unloaded and loaded again.
 fn teardown(r: Running) {
     drop(r.keeper);
     let above: Vec<fn() -> usize> = AT_TEARDOWN.lock().unwrap_or_else(|e| e.into_inner()).clone();

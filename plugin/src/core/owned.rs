@@ -241,20 +241,20 @@ impl MemHandle {
     /// `regMr` of `size` bytes at `data` (`ptr_type`: `NCCL_PTR_HOST` or,
     /// where the device claims it, `NCCL_PTR_CUDA`) on physical device
     /// `dev`, without a comm (RMA registers on its collComm's device).
-    pub fn register(dev: &DeviceState, data: *mut c_void, size: usize, ptr_type: i32) -> Result<Self> {
-        let rails = [Arc::clone(&plugin()?.devices[dev.index])];
+    pub fn register(dev: &Arc<DeviceState>, data: *mut c_void, size: usize, ptr_type: i32) -> Result<Self> {
+        let rails = [Arc::clone(dev)];
         reg::reg_mr_on(dev.index, &rails, data, size, ptr_type).map(MemHandle)
     }
     /// `regMrDmaBuf` on physical device `dev` (see [`MemHandle::register`]).
     pub fn register_dmabuf(
-        dev: &DeviceState,
+        dev: &Arc<DeviceState>,
         data: *mut c_void,
         size: usize,
         ptr_type: i32,
         offset: u64,
         fd: i32,
     ) -> Result<Self> {
-        let rails = [Arc::clone(&plugin()?.devices[dev.index])];
+        let rails = [Arc::clone(dev)];
         reg::reg_mr_dma_buf_on(dev.index, &rails, data, size, ptr_type, offset, fd).map(MemHandle)
     }
     /// Its registration (on its one device), and what memory it is.

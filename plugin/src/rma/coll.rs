@@ -235,6 +235,10 @@ struct State {
     keys: HashMap<u32, Vec<Option<Remote>>>,
     mail: Mail,
     last_error: Option<String>,
+    /// When operations in flight were last checked against the timeout
+    /// (every `WEFT_PEER_TIMEOUT / 8`, not on every call: the check walks
+    /// all of them).
+    scanned: Instant,
 }
 
 /// A connected collComm.
@@ -323,6 +327,7 @@ impl Coll {
                 keys: HashMap::new(),
                 mail: Mail::default(),
                 last_error: None,
+                scanned: Instant::now(),
             }),
             posted: AtomicU64::new(0),
         };
@@ -498,19 +503,14 @@ impl Coll {
     ) -> Result<()> {
         let p = self.rank_index(rank)?;
         // Every check before anything is posted: a refused call loses nothing.
-        let mut writes = Vec::new();
-        if let Some((src, src_off, dst, dst_off, size)) = put {
-            let from = src.local(src_off, size, "iput source")?;
-            let (raddr, key) = dst.target(p, dst_off, size, self.virt, "iput destination")?;
-            let mut at = 0;
-            while at < size {
-                let n = (size - at).min(CHUNK);
-                // SAFETY: inside the source registration (checked above).
-                let p = unsafe { from.add(at) };
-                writes.push(Work::Write { src: p, len: n, desc: src.mem.desc, raddr: raddr + at as u64, key });
-                at += n;
+        let data = match put {
+            Some((src, src_off, dst, dst_off, size)) => {
+                let from = src.local(src_off, size, "iput source")?;
+                let (raddr, key) = dst.target(p, dst_off, size, self.virt, "iput destination")?;
+                Some((from, src.mem.desc, raddr, key, size))
             }
-        }
+            None => None,
+        };
         let sig = match signal {
             Some((s, off, value)) => {
                 s.target(p, off, 8, self.virt, "signal")?;
@@ -522,9 +522,14 @@ impl Coll {
         if let Some(why) = &st.ranks[p].dead {
             return Err(Error::remote(format!("RMA put to rank {rank}: {why}")));
         }
-        for w in writes {
-            st.ranks[p].issued += 1;
-            self.queue(&mut st, p, w, req)?;
+        if let Some((from, desc, raddr, key, size)) = data {
+            for (at, len) in chunks(size) {
+                // SAFETY: inside the source registration (checked above).
+                let src = unsafe { from.add(at) };
+                self.queue(&mut st, p, Work::Write { src, len, desc, raddr: raddr + at as u64, key }, req)?;
+                // Counted once posted or queued: a signal waits only for writes that went.
+                st.ranks[p].issued += 1;
+            }
         }
         if let Some((seq, off, value)) = sig {
             let msg = Msg::Signal { puts: st.ranks[p].issued, seq, off, value };
@@ -551,13 +556,10 @@ impl Coll {
         if let Some(why) = &st.ranks[p].dead {
             return Err(Error::remote(format!("RMA get from rank {rank}: {why}")));
         }
-        let mut at = 0;
-        while at < size {
-            let n = (size - at).min(CHUNK);
+        for (at, len) in chunks(size) {
             // SAFETY: inside the local registration (checked above).
             let dst = unsafe { to.add(at) };
-            self.queue(&mut st, p, Work::Read { dst, len: n, desc: local.mem.desc, raddr: raddr + at as u64, key }, req)?;
-            at += n;
+            self.queue(&mut st, p, Work::Read { dst, len, desc: local.mem.desc, raddr: raddr + at as u64, key }, req)?;
         }
         Ok(())
     }
@@ -662,6 +664,10 @@ impl Coll {
         self.hub.progress(Port::Passive)?;
         let now = Instant::now();
         let timeout = self.dev.peer_timeout;
+        let scan = now.saturating_duration_since(st.scanned) >= timeout / 8;
+        if scan {
+            st.scanned = now;
+        }
         let State { ranks, regs, keys, mail, last_error, .. } = st;
         for (p, r) in ranks.iter_mut().enumerate() {
             // What waits, in order, until the provider says "later".
@@ -745,7 +751,7 @@ impl Coll {
                     self.kill(r, why, last_error);
                 }
             }
-            if r.dead.is_none() {
+            if scan && r.dead.is_none() {
                 if let Some(op) = r.inflight.values().find(|o| now.saturating_duration_since(o.since) > timeout) {
                     let why = format!(
                         "rank {p} ({}) declared dead: an operation towards it did not complete within WEFT_PEER_TIMEOUT = {:.1} s (after {:.1} s)",
@@ -799,6 +805,12 @@ impl Drop for Coll {
             self.posted.load(Ordering::Relaxed)
         );
     }
+}
+
+/// The pieces `(offset, length)` a transfer of `size` bytes is cut into
+/// (none for 0 bytes).
+fn chunks(size: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..size).step_by(CHUNK).map(move |at| (at, (size - at).min(CHUNK)))
 }
 
 /// Whether a failed operation's error is the target refusing that one

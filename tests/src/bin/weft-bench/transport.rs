@@ -533,14 +533,7 @@ impl Put {
     pub(super) fn listen(
         lib: &libloading::os::unix::Library,
     ) -> Res<(Self, *mut c_void, [u8; 128])> {
-        // SAFETY: the symbol is the library's static RMA table (layout
-        // checked by tests/tests/abi.rs); the library stays loaded.
-        let t: &'static weft::rma_v16::ncclRma_v16_t = unsafe {
-            let s: libloading::os::unix::Symbol<*const weft::rma_v16::ncclRma_v16_t> = lib
-                .get(b"ncclRmaPlugin_v16")
-                .map_err(|e| format!("dlsym ncclRmaPlugin_v16: {e}"))?;
-            &**s
-        };
+        let t: &'static weft::rma_v16::ncclRma_v16_t = emu::sym(lib, "ncclRmaPlugin_v16");
         let (mut ctx, mut l, mut n) = (std::ptr::null_mut(), std::ptr::null_mut(), 0);
         let mut h = [0u8; 128];
         // SAFETY: NCCL's calling convention; the outputs are live locals.
