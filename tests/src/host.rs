@@ -10,10 +10,10 @@ use weft::proto::wire::HANDLE_SIZE;
 use crate::poll_until;
 
 /// Points the plugin (and libfabric's tcp provider) at `provider` on
-/// loopback. Call before the first init of a process.
+/// loopback (verbs: on its test device, [`crate::test_iface`]). Call before the first init of a process.
 pub fn pin_to_loopback(provider: &str) {
     std::env::set_var("WEFT_PROVIDER", provider);
-    std::env::set_var("WEFT_IFACE", "lo");
+    std::env::set_var("WEFT_IFACE", crate::test_iface(provider));
     std::env::set_var("FI_TCP_IFACE", "lo");
 }
 

@@ -43,6 +43,12 @@ pub const TEST_PARAMS: &[Param] = &[
         meaning: "without PyPI access: the codegen check against NCCL's wheels and the GPU-check pruning test say they did not run instead of failing",
     },
     Param {
+        name: "WEFT_TEST_MATRIX_PROVIDERS",
+        default: "`tcp;ofi_rxm,shm`",
+        accepted: "comma-separated libfabric provider names",
+        meaning: "the providers the version matrix runs on (`verbs;ofi_rxm` inside a verbs guest: docs/verbs.md says where that stands)",
+    },
+    Param {
         name: "WEFT_TEST_ISOLATED",
         default: "unset; set by the tests themselves",
         accepted: "`1`",
@@ -166,11 +172,24 @@ pub fn loopback_domain_for(
     weft::fabric::Domain::open(dev.info_for(rma)).map_err(|e| e.to_string())
 }
 
-/// A configuration that uses exactly `provider` on loopback (`lo`) only.
+/// The one device a test of `provider` uses (its `WEFT_IFACE`): `lo` for
+/// the sockets-based providers; for verbs, `rxe0`, the Soft-RoCE device the
+/// verbs stage's guest makes (tools/vm/init), whose domain is named after it.
+pub fn test_iface(provider: &str) -> &'static str {
+    if provider.starts_with("verbs") {
+        "rxe0"
+    } else {
+        "lo"
+    }
+}
+
+/// A configuration that uses exactly `provider` on its test device
+/// ([`test_iface`]: loopback but for verbs) only.
 pub fn loopback(provider: &str) -> Config {
     Config {
         providers: vec![weft::config::canonical_provider(provider)],
-        ifaces: weft::config::IfaceFilter::parse("=lo").expect("a valid filter"),
+        ifaces: weft::config::IfaceFilter::parse(&format!("={}", test_iface(provider)))
+            .expect("a valid filter"),
         ..Config::default()
     }
 }
@@ -280,6 +299,7 @@ const KEPT: &[&str] = &[
     "WEFT_TEST_PLUGIN",
     "WEFT_TEST_NCCL_HEADERS",
     "WEFT_TEST_OFFLINE",
+    "WEFT_TEST_MATRIX_PROVIDERS",
     ISOLATED,
     "WEFT_SOAK_SECS",
 ];

@@ -43,7 +43,7 @@ pub fn spawn(
         .env("WEFT_TEST_HMEM", "system")
         .env("WEFT_PROVIDER", provider)
         .env("WEFT_PROTOCOL", "rdma")
-        .env("WEFT_IFACE", "lo")
+        .env("WEFT_IFACE", crate::test_iface(provider))
         .env("FI_TCP_IFACE", "lo")
         .env("NCCL_DEBUG", "INFO")
         .stdout(Stdio::piped())

@@ -254,6 +254,12 @@ fn cell_result(r: Result<usize, String>) -> ExitCode {
         }
         Err(e) => {
             println!("failed {e}");
+            // What the plugin warned of says why (the matrix shows stderr).
+            for l in weft_tests::capture::lines() {
+                if l.level <= weft::log::level::WARN {
+                    eprintln!("cell log: {}", l.text);
+                }
+            }
             ExitCode::FAILURE
         }
     }
