@@ -69,9 +69,8 @@ impl Endpoint {
             forbid_cuda_calls(domain, ep.ptr);
         }
         // SAFETY: ep is live and bound.
-        unsafe {
-            check("fi_enable", fi::fi_enable(ep.ptr))?;
-        }
+        let enabled = check("fi_enable", unsafe { fi::fi_enable(ep.ptr) });
+        enabled.map_err(|e| explain_enable_failure(domain.info().provider(), e))?;
         let name = ep.name()?;
         domain.note_name_len(name.len());
         // shm names carry the process id, so they are never another process's.
@@ -406,6 +405,24 @@ impl Drop for Endpoint {
     }
 }
 
+/// `e` with what to do added to its text, where the cause of an
+/// `fi_enable` failure is known. rxm sizes the CQ of its core endpoints
+/// (verbs) as its receive queue plus its transmit queue times
+/// `FI_UNIVERSE_SIZE` (256 by default) entries, which is more than a device
+/// with a small `max_cqe` takes (Soft-RoCE's rxe: 32767), and the core
+/// refuses the CQ with `FI_EINVAL`.
+fn explain_enable_failure(provider: &str, mut e: FiError) -> FiError {
+    if e.code == fi::FI_EINVAL && provider.starts_with("verbs") && provider.contains("rxm") {
+        e.text = format!(
+            "{}: rxm asks {provider} for a CQ of (rx + tx queue) x FI_UNIVERSE_SIZE entries, more \
+             than a device with a small max_cqe (rxe: 32767) takes; export FI_UNIVERSE_SIZE no \
+             larger than the job's peer count (e.g. 64)",
+            e.text
+        );
+    }
+    e
+}
+
 /// On a device that takes GPU memory: asks the provider not to call CUDA
 /// itself (`FI_OPT_CUDA_API_PERMITTED` = false, before `fi_enable`), so that
 /// it never does on NCCL's proxy thread, where CUDA calls can deadlock with
@@ -456,4 +473,29 @@ fn forbid_cuda_calls(domain: &Domain, ep: *mut fi::fid_ep) {
             "{provider}: FI_OPT_CUDA_API_PERMITTED not set: {why}"
         ),
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fabric::strerror;
+
+    /// The rxe CQ-size failure says what to export; other providers' and
+    /// other errors' text stays libfabric's own.
+    #[test]
+    fn enable_failure_on_verbs_rxm_names_the_universe_size() {
+        let einval = || FiError::new("fi_enable", i64::from(fi::FI_EINVAL));
+        let e = explain_enable_failure("verbs;ofi_rxm", einval());
+        assert!(e.text.starts_with(&strerror(fi::FI_EINVAL)), "{}", e.text);
+        assert!(e.text.contains("export FI_UNIVERSE_SIZE"), "{}", e.text);
+        assert_eq!(e.code, fi::FI_EINVAL);
+        for (prov, err) in [
+            ("tcp;ofi_rxm", einval()),
+            ("verbs", einval()),
+            ("verbs;ofi_rxm", FiError::new("fi_enable", i64::from(fi::FI_ENOMEM))),
+        ] {
+            let want = err.text.clone();
+            assert_eq!(explain_enable_failure(prov, err).text, want, "{prov}");
+        }
+    }
 }
