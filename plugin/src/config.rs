@@ -45,7 +45,7 @@ pub const PARAMS: &[Param] = &[
         name: "WEFT_PROTOCOL",
         default: "auto",
         accepted: "`auto`, `sendrecv` (tagged messages), `rdma` (receiver-driven writes)",
-        meaning: "data-path protocol. `auto` picks rdma where the provider offers FI_RMA with at least 4 bytes of remote CQ data on every device, else sendrecv, and says at INFO which and why. Forcing `rdma` where the provider cannot is an init error naming what is missing. Every rank must use the same protocol (connect says so if not)",
+        meaning: "data-path protocol. `auto` picks rdma where the provider offers FI_RMA with at least 4 bytes of remote CQ data on every device that really arrive (not on verbs;ofi_rxm with FI_OFI_RXM_USE_SRX=1, docs/verbs.md), else sendrecv, and says at INFO which and why. Forcing `rdma` where the provider cannot is an init error naming what is missing. Every rank must use the same protocol (connect says so if not)",
     },
     Param {
         name: "WEFT_EAGER_SIZE",

@@ -73,14 +73,43 @@ pub struct Rma {
     pub offered: bool,
     /// Bytes of remote CQ data a write carries (0 if none).
     pub cq_data_size: usize,
+    /// Why the remote CQ data the provider advertises does not reach the
+    /// target here, where Weft knows it ([`lost_cq_data`]).
+    pub cq_data_lost: Option<&'static str>,
 }
 
 impl Rma {
     /// Whether an RDMA-write protocol could run here: `FI_RMA` with at
-    /// least 4 bytes of remote CQ data (what EFA and verbs give).
+    /// least 4 bytes of remote CQ data (what EFA and verbs give) that
+    /// really arrive.
     pub fn qualifies(&self) -> bool {
-        self.offered && self.cq_data_size >= 4
+        self.offered && self.cq_data_size >= 4 && self.cq_data_lost.is_none()
     }
+}
+
+/// Where `provider` advertises remote CQ data that a target never sees,
+/// why; `use_srx` is `FI_OFI_RXM_USE_SRX` as the environment has it.
+///
+/// rxm over verbs with a shared receive context: libfabric's verbs provider
+/// (2.1, and its main branch in 2025) reports every completion of a shared
+/// receive queue as `IBV_WC_RECV`, so a write with immediate data that
+/// consumed one of rxm's receive buffers reaches rxm as a message, whose
+/// stale buffer rxm then delivers (measured on rxe: a 0-byte message in a
+/// posted receive, the immediate gone). rxm uses a shared receive context
+/// over verbs only when `FI_OFI_RXM_USE_SRX` is true (over tcp by default,
+/// where writes are not receives).
+pub fn lost_cq_data(provider: &str, use_srx: Option<&str>) -> Option<&'static str> {
+    let core = provider.split(';').next().unwrap_or("");
+    let rxm = provider.split(';').any(|p| p == "ofi_rxm");
+    // libfabric's boolean parameters: 1/true/yes/on, any case.
+    let on = use_srx.is_some_and(|v| {
+        ["1", "true", "yes", "on"]
+            .iter()
+            .any(|t| v.trim().eq_ignore_ascii_case(t))
+    });
+    (core == "verbs" && rxm && on).then_some(
+        "FI_OFI_RXM_USE_SRX=1 puts rxm's verbs receives in a shared receive queue, whose completions libfabric's verbs provider reports as messages: a write's remote CQ data never reaches the target (unset FI_OFI_RXM_USE_SRX for the rdma protocol)",
+    )
 }
 
 /// Tagged hints for `provider`, with `FI_HMEM` when asked.
@@ -116,6 +145,10 @@ fn rma_of(provider: &str, hmem: bool, test: &TestSwitches) -> Vec<(String, Rma, 
                 Rma {
                     offered: true,
                     cq_data_size: i.cq_data_size(),
+                    cq_data_lost: lost_cq_data(
+                        provider,
+                        std::env::var("FI_OFI_RXM_USE_SRX").ok().as_deref(),
+                    ),
                 },
                 i.to_owned().ok()?,
             ))
@@ -287,4 +320,34 @@ pub fn survey(config: &Config) -> Result<(Vec<ProviderReport>, Vec<Device>), Dis
 /// Lists the devices of the first provider (in configured order) that has one.
 pub fn discover(config: &Config) -> Result<Vec<Device>, DiscoveryError> {
     survey(config).map(|(_, devices)| devices)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_cq_data_is_lost_only_on_verbs_rxm_with_a_shared_receive_context() {
+        for v in ["1", "true", "YES", " on "] {
+            assert!(
+                lost_cq_data("verbs;ofi_rxm", Some(v)).is_some(),
+                "FI_OFI_RXM_USE_SRX={v:?}"
+            );
+        }
+        for v in [None, Some("0"), Some("false"), Some("off"), Some("")] {
+            assert_eq!(lost_cq_data("verbs;ofi_rxm", v), None, "FI_OFI_RXM_USE_SRX={v:?}");
+        }
+        // tcp under rxm uses a shared receive context by default and reports
+        // writes as writes; other providers have no rxm receive queue.
+        for p in ["tcp;ofi_rxm", "shm", "efa", "verbs", "tcp"] {
+            assert_eq!(lost_cq_data(p, Some("1")), None, "{p}");
+        }
+        let rma = Rma {
+            offered: true,
+            cq_data_size: 4,
+            cq_data_lost: lost_cq_data("verbs;ofi_rxm", Some("1")),
+        };
+        assert!(!rma.qualifies());
+        assert!(Rma { cq_data_lost: None, ..rma }.qualifies());
+    }
 }

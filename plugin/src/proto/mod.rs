@@ -318,6 +318,8 @@ pub fn choose(
             "{provider} offers FI_RMA with {} bytes of remote CQ data on every device",
             devices[0].rma.cq_data_size
         ))
+    } else if let Some(why) = devices.iter().find_map(|d| d.rma.cq_data_lost) {
+        Err(format!("{provider} offers FI_RMA, but {why}"))
     } else if devices.iter().any(|d| d.rma.offered) {
         Err(format!(
             "{provider} offers FI_RMA, but not with 4 bytes of remote CQ data on every device"
