@@ -51,7 +51,7 @@ pub const PARAMS: &[Param] = &[
         name: "WEFT_EAGER_SIZE",
         default: "8192",
         accepted: "bytes, 0 ..= 65536",
-        meaning: "messages up to this size (and the provider's inject size) go out with fi_tinject: copied at once, so the send request is done immediately",
+        meaning: "messages up to this size go without waiting for the receiver, copied at once so the send request is done immediately: sendrecv injects them (fi_tinject) within the provider's inject size; rdma sends them as one control message, injected within the inject size (shm) or from a registered bounce buffer below rxm's eager limit (tcp;ofi_rxm, verbs;ofi_rxm)",
     },
     Param {
         name: "WEFT_LINK_SPEED_MBPS",

@@ -41,6 +41,10 @@ pub const CTRL_HEAD: usize = 8;
 pub(crate) const CTRL_CTX: u64 = 1 << 63;
 /// Context bit (with [`CTRL_CTX`]) of a sink buffer: see [`Posts::Sink`].
 const SINK_CTX: u64 = 1 << 62;
+/// Context bit (with [`CTRL_CTX`]) of a send from a bounce buffer
+/// ([`Bounce`]): the sending comm's id in bits 32..56, the buffer's index in
+/// the low 32.
+const BOUNCE_CTX: u64 = 1 << 61;
 
 /// What a set of hub buffers is kept posted for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -214,6 +218,121 @@ impl Drop for CtrlBufs {
     fn drop(&mut self) {
         for e in self.posted.drain(..) {
             self.list.free(e);
+        }
+    }
+}
+
+/// Registered buffers that eager messages too large to inject are sent
+/// from (`fi_send`), one message each: the message is copied in, so the
+/// send is done for NCCL once it is posted, and the buffer goes back to the
+/// list when the provider reports the send complete ([`Bounce::returned`]).
+/// The list grows in blocks up to its bound; a sender that finds none free
+/// waits (a NULL request) as it does for credits.
+pub(crate) struct Bounce {
+    inner: std::sync::Mutex<BounceBufs>,
+}
+
+struct BounceBufs {
+    list: Freelist<HostPages, DomainRegistrar>,
+    /// Buffers with the provider, by index.
+    out: Vec<Option<Elem>>,
+}
+
+impl Bounce {
+    /// Up to `count` buffers of `size` bytes, registered with `dev`'s domain
+    /// as they are first needed (blocks of `block`).
+    pub(crate) fn new(dev: &DeviceState, count: usize, block: usize, size: usize) -> Result<Self> {
+        let list = Freelist::new(
+            HostPages,
+            DomainRegistrar(Arc::clone(&dev.domain)),
+            Params {
+                elem_size: size,
+                align: SLOT_ALIGN,
+                elems_per_block: block.min(count),
+                max_elems: count,
+            },
+        )
+        .map_err(|e| Error::system(e.to_string()))?;
+        Ok(Self {
+            inner: std::sync::Mutex::new(BounceBufs {
+                list,
+                out: std::iter::repeat_with(|| None).take(count).collect(),
+            }),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BounceBufs> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sends `head` followed by `data` to `to` as one message from a bounce
+    /// buffer, for comm `id`. `Ok(false)`: no buffer is free (or the message
+    /// does not fit one); nothing was sent.
+    pub(crate) fn send(
+        &self,
+        ep: &Endpoint,
+        to: &Peer,
+        id: u32,
+        head: &[u8],
+        data: &[u8],
+    ) -> std::result::Result<bool, FiError> {
+        let len = head.len() + data.len();
+        let mut b = self.lock();
+        if len > b.list.elem_size() {
+            return Ok(false);
+        }
+        let Ok(e) = b.list.alloc() else {
+            return Ok(false);
+        };
+        // SAFETY: the element is `elem_size` bytes of this list's memory,
+        // ours alone until it is freed; `len` fits it (checked above).
+        let buf = unsafe { std::slice::from_raw_parts_mut(e.ptr.as_ptr(), len) };
+        buf[..head.len()].copy_from_slice(head);
+        buf[head.len()..].copy_from_slice(data);
+        let desc = e.mr.map_or(std::ptr::null_mut(), |m| m.desc);
+        let i = e.index();
+        let ctx = CTRL_CTX | BOUNCE_CTX | (u64::from(id) << 32) | u64::from(i);
+        // SAFETY: the buffer stays allocated and untouched until the
+        // provider reports this send complete (its context names the
+        // buffer) or the endpoint is closed (the hub closes endpoints before
+        // their bounce buffers go); `desc` is its registration's.
+        let sent = to.send("fi_send", |a| unsafe {
+            ep.send(e.ptr.as_ptr(), len, desc, a, ctx as usize as *mut c_void)
+        });
+        match sent {
+            Ok(()) => {
+                b.out[i as usize] = Some(e);
+                Ok(true)
+            }
+            Err(err) => {
+                b.list.free(e);
+                Err(err)
+            }
+        }
+    }
+
+    /// If `ctx` names a send from one of these buffers: the buffer is free
+    /// again, and the sending comm's id is returned.
+    pub(crate) fn returned(&self, ctx: *mut c_void) -> Option<u32> {
+        let c = ctx as usize as u64;
+        if c & (CTRL_CTX | SINK_CTX | BOUNCE_CTX) != CTRL_CTX | BOUNCE_CTX {
+            return None;
+        }
+        let mut b = self.lock();
+        let e = b.out.get_mut(c as u32 as usize)?.take()?;
+        b.list.free(e);
+        Some(((c >> 32) as u32) & (super::wire::MAX_ID - 1))
+    }
+
+}
+
+impl Drop for Bounce {
+    fn drop(&mut self) {
+        // The endpoint is closed: what it still held is free.
+        let b = self.inner.get_mut().unwrap_or_else(|e| e.into_inner());
+        let BounceBufs { list, out } = b;
+        for e in out.iter_mut().filter_map(Option::take) {
+            list.free(e);
         }
     }
 }

@@ -51,7 +51,7 @@ use std::time::Instant;
 use libfabric_sys as fi;
 
 use super::cq::{drain, Event};
-use super::ctrl::{unframe, CtrlBufs, Posts, CTRL_HEAD};
+use super::ctrl::{unframe, Bounce, CtrlBufs, Peer, Posts, CTRL_HEAD};
 use super::grave::{is_grave, Closed, Graves, Returned};
 use super::wire::{CTRL_MAX, EAGER_HEAD, MAX_ID};
 use super::DeviceState;
@@ -77,6 +77,17 @@ const CQ_SIZE: usize = 16384;
 /// keeps a large unexpected message at its sender, not here.
 const SINK_POSTED: usize = 8;
 const SINK_SIZE: usize = 16 << 10;
+/// Bounce buffers an active endpoint sends eager messages from where they
+/// are too large to inject (at most [`super::comms::EAGER_CREDITS`] per send
+/// comm are unconsumed at their receivers; these are only those whose send
+/// the provider has not completed yet), grown in blocks of
+/// [`BOUNCE_BLOCK`].
+const BOUNCE_MAX: usize = 256;
+const BOUNCE_BLOCK: usize = 32;
+/// What rxm's header takes of its eager buffer
+/// (`FI_OFI_RXM_BUFFER_SIZE`), with room to spare: an eager message stays
+/// this far under rxm's eager limit, so rxm never sends it as a rendezvous.
+const RXM_HEADROOM: usize = 256;
 
 /// Which endpoint of the hub.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,6 +122,10 @@ pub enum Ev {
     /// a comm could check: rxm reports none for them.
     Landed(u8, Option<u32>),
 }
+
+/// The local context [`Ev::Failed`] names when an eager message sent from
+/// a bounce buffer failed (a comm's own contexts are request slots).
+pub const EAGER_LOCAL: u32 = u32::MAX;
 
 /// Events an inbox holds unread before it takes no more control messages
 /// (its comm's peer, or a listener's callers, sent far more than the
@@ -232,6 +247,9 @@ struct PortState {
     ep: Endpoint,
     /// The port's posted buffers: one lock, taken once per CQ read.
     bufs: Mutex<PortBufs>,
+    /// Where eager messages too large to inject are sent from (the active
+    /// port, where the provider takes them: see [`Hub::open`]).
+    bounce: Option<Bounce>,
     poll: Mutex<()>,
     name: Vec<u8>,
     /// When this port's CQ was last read (ns since the hub opened).
@@ -262,6 +280,8 @@ pub struct Hub {
     wide: bool,
     /// The largest eager message (data bytes) this hub's buffers take.
     eager_max: usize,
+    /// The largest message the provider injects (header and data).
+    inject_max: usize,
     /// The provider reports each completion's source (`FI_SOURCE`).
     sources: bool,
     boxes: RwLock<HashMap<u32, Arc<Inbox>>>,
@@ -280,10 +300,22 @@ impl std::fmt::Debug for Hub {
 impl Hub {
     /// Opens the device's two endpoints and posts their control receives.
     pub fn open(dev: &DeviceState) -> Result<Self> {
-        // Eager messages are injected whole (header + data).
-        let eager_max = dev
-            .eager_size
-            .min(dev.dev.inject_size.saturating_sub(CTRL_HEAD + EAGER_HEAD));
+        // Eager messages are one message each, header and data: injected
+        // where they fit the provider's inject size (shm: 4 KiB), else sent
+        // from a bounce buffer where the provider still takes them in one
+        // message (rxm below its eager limit: tcp;ofi_rxm injects only 64
+        // bytes, so a write and its offer would cost two messages and a
+        // round trip for every message above 40 bytes). Tried on shm and
+        // dropped: a bounce send above its inject size (its CMA path) made
+        // 4 KiB messages slower than writes.
+        let head = CTRL_HEAD + EAGER_HEAD;
+        let injected = dev.dev.inject_size.saturating_sub(head);
+        let bounced = if dev.dev.provider.contains("ofi_rxm") {
+            crate::fabric::rxm_eager_limit().saturating_sub(head + RXM_HEADROOM)
+        } else {
+            0
+        };
+        let eager_max = dev.eager_size.min(injected.max(bounced));
         let port = |passive: bool| -> Result<PortState> {
             let ep = Endpoint::open_sized(&dev.domain, CQ_SIZE)
                 .map_err(|e| Error::from(e).context("opening the device's shared endpoint"))?;
@@ -293,8 +325,17 @@ impl Hub {
                 // control buffers on).
                 dev.domain.set_mr_endpoint(ep.raw());
             }
-            let size = CTRL_HEAD + CTRL_MAX.max(EAGER_HEAD + eager_max);
+            // Eager messages go to receive comms (passive): only there do
+            // control buffers take them.
+            let size = match passive {
+                true => CTRL_HEAD + CTRL_MAX.max(EAGER_HEAD + eager_max),
+                false => CTRL_HEAD + CTRL_MAX,
+            };
             let ctrl = CtrlBufs::new(dev, &ep, Posts::Control, CTRL_POSTED, size)?;
+            let bounce = match !passive && head + eager_max > dev.dev.inject_size {
+                true => Some(Bounce::new(dev, BOUNCE_MAX, BOUNCE_BLOCK, head + eager_max)?),
+                false => None,
+            };
             let sink = if dev.sinks_tagged
                 && dev.domain.info().provider() != crate::fabric::provider::SHM
             {
@@ -312,6 +353,7 @@ impl Hub {
             Ok(PortState {
                 ep,
                 bufs: Mutex::new(PortBufs { ctrl, sink }),
+                bounce,
                 poll: Mutex::new(()),
                 name,
                 polled: AtomicU64::new(0),
@@ -329,6 +371,7 @@ impl Hub {
             // travels in a `Wrote`.
             wide: dev.dev.rma.cq_data_size >= 8 && !dev.dev.test.narrow_imm,
             eager_max,
+            inject_max: dev.dev.inject_size,
             sources: dev.domain.info().caps() & fi::FI_SOURCE != 0,
         })
     }
@@ -395,6 +438,33 @@ impl Hub {
     /// The largest eager message this hub takes and sends (data bytes).
     pub fn eager_max(&self) -> usize {
         self.eager_max
+    }
+
+    /// Sends eager message `head` + `data` for comm `id` on `port` to `to`:
+    /// injected where it fits the provider's inject size, else from a
+    /// bounce buffer. Either way the data is copied before this returns.
+    /// `Ok(false)`: no bounce buffer is free now (progress, then retry).
+    pub(crate) fn send_eager(
+        &self,
+        port: Port,
+        to: &Peer,
+        id: u32,
+        head: &[u8],
+        data: &[u8],
+        scratch: &mut Vec<u8>,
+    ) -> std::result::Result<bool, crate::fabric::FiError> {
+        let ep = self.ep(port);
+        match &self.ports[port as usize].bounce {
+            Some(b) if head.len() + data.len() > self.inject_max => {
+                b.send(ep, to, id, head, data)
+            }
+            _ => {
+                scratch.clear();
+                scratch.extend_from_slice(head);
+                scratch.extend_from_slice(data);
+                to.send("fi_inject", |a| ep.inject(scratch, a)).map(|()| true)
+            }
+        }
     }
 
     /// Comms registered.
@@ -480,6 +550,14 @@ impl Hub {
                 Event::Done(c, _) => c.op_context,
                 Event::Failed(e) => e.context,
             };
+            if let Some(id) = p.bounce.as_ref().and_then(|b| b.returned(ctx)) {
+                // An eager message left its bounce buffer; one that failed
+                // never reaches its receive, so its comm hears of it.
+                if let Event::Failed(e) = ev {
+                    deliver(id, Ev::Failed(EAGER_LOCAL, e), &[]);
+                }
+                return Ok(());
+            }
             if let Some((s, i)) = sink.as_mut().and_then(|s| s.find(ctx).map(|i| (s, i))) {
                 s.taken += 1;
                 tracing::debug!(

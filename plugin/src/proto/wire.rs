@@ -683,12 +683,19 @@ impl Ctrl {
     /// Appends an [`Ctrl::Eager`] of `data` to `out` (any length; control
     /// messages of fixed size use [`Ctrl::encode`]).
     pub fn encode_eager(tag: i32, idx: u32, data: &[u8], out: &mut Vec<u8>) {
-        out.extend_from_slice(&CTRL_MAGIC.to_le_bytes());
-        out.extend_from_slice(&HANDLE_VERSION.to_le_bytes());
-        out.extend_from_slice(&[KIND_EAGER, 0]);
-        out.extend_from_slice(&tag.to_le_bytes());
-        out.extend_from_slice(&idx.to_le_bytes());
+        out.extend_from_slice(&Self::eager_head(tag, idx));
         out.extend_from_slice(data);
+    }
+
+    /// The bytes of an [`Ctrl::Eager`] before its data.
+    pub fn eager_head(tag: i32, idx: u32) -> [u8; EAGER_HEAD] {
+        let mut h = [0u8; EAGER_HEAD];
+        h[..4].copy_from_slice(&CTRL_MAGIC.to_le_bytes());
+        h[4..6].copy_from_slice(&HANDLE_VERSION.to_le_bytes());
+        h[6] = KIND_EAGER;
+        h[8..12].copy_from_slice(&tag.to_le_bytes());
+        h[12..16].copy_from_slice(&idx.to_le_bytes());
+        h
     }
 
     /// Decodes and validates `buf` (exactly the received bytes). An eager

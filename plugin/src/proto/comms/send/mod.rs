@@ -11,7 +11,8 @@ use libfabric_sys as fi;
 use super::super::ctrl::{frame_head, Peer, CTRL_HEAD};
 use super::super::handshake::{self, nonce, Connecting, Phase};
 use super::super::pool::Pool;
-use super::super::wire::{Entries, RtrBuf};
+use super::super::hub::EAGER_LOCAL;
+use super::super::wire::{Entries, RtrBuf, EAGER_HEAD};
 use super::super::wire::{context, data_tag, immediate, NO_SIZE};
 use super::super::{Comm, Done, Mem, ReqId, MAX_RECVS, MAX_REQUESTS};
 use super::*;
@@ -414,6 +415,14 @@ impl Side for SendState {
                     if let Some(r) = self.reqs.get_mut(local).filter(|r| !r.done) {
                         r.done = true;
                     }
+                }
+                Ev::Failed(EAGER_LOCAL, e) => {
+                    // Its send was reported done, and its receive waits for
+                    // it: the comm cannot go on.
+                    die(
+                        self,
+                        format!("an eager message to the peer failed in the provider: {e}"),
+                    );
                 }
                 Ev::Failed(local, e) => {
                     tracing::warn!("send comm to {}: a send failed: {e}", self.peer.link.name);

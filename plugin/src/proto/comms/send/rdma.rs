@@ -18,8 +18,13 @@ impl SendComm {
         desc: *mut c_void,
     ) -> Result<Option<ReqId>> {
         let k = st.sent.get(&tag).copied().unwrap_or(0);
+        let eager_now =
+            |st: &SendState| size <= st.eager_max && st.credits > 0 && st.reqs.in_use() < st.reqs.capacity();
         let mut at = st.offer(tag, k);
-        if at.is_none() {
+        // A message that goes eagerly needs no offer: no CQ read first (on
+        // tcp each is a system call). Its receive, if offered meanwhile,
+        // checks its size on arrival.
+        if at.is_none() && !eager_now(st) {
             st.progress(&self.seat)?;
             at = st.offer(tag, k);
         }
@@ -45,23 +50,31 @@ impl SendComm {
                 ));
             }
         }
-        // Small messages go eagerly, offered or not: one injected message,
-        // copied into the buffer at the receiver (a write costs more for
-        // small sizes: shm moves it by a system call, rxm by a rendezvous).
-        let eager = size <= st.eager_max && st.credits > 0 && st.reqs.in_use() < st.reqs.capacity();
-        if eager {
+        // Small messages go eagerly, offered or not: one message (injected,
+        // or from a bounce buffer where the provider injects less), copied
+        // into the buffer at the receiver (a write costs more for small
+        // sizes: shm moves it by a system call, rxm by a rendezvous, and it
+        // waits for an offer).
+        if eager_now(st) {
             // SAFETY: NCCL guarantees `data..data+size` is readable (checked
             // against its registration by the caller); it is copied now.
             let bytes = unsafe { std::slice::from_raw_parts(data, size) };
             let SendState { scratch, peer, .. } = &mut *st;
-            scratch.clear();
-            scratch.resize(CTRL_HEAD, 0);
-            frame_head(scratch, peer.id, peer.me);
-            Ctrl::encode_eager(tag, k, bytes, scratch);
-            let ep = self.seat.ep();
-            let sent = peer.link.peer.send("fi_inject", |a| ep.inject(scratch, a));
+            let mut head = [0u8; CTRL_HEAD + EAGER_HEAD];
+            frame_head(&mut head, peer.id, peer.me);
+            head[CTRL_HEAD..].copy_from_slice(&Ctrl::eager_head(tag, k));
+            let sent =
+                self.seat
+                    .hub
+                    .send_eager(self.seat.port, &peer.link.peer, self.seat.id, &head, bytes, scratch);
             match sent {
-                Ok(()) => {}
+                Ok(true) => {}
+                Ok(false) => {
+                    // Every bounce buffer is with the provider: its
+                    // completions free them.
+                    st.progress(&self.seat)?;
+                    return Ok(None);
+                }
                 Err(e) if e.is_again() => {
                     st.progress(&self.seat)?;
                     return Ok(None);
