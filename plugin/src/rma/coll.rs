@@ -221,6 +221,11 @@ struct Rank {
     /// The rank's writes landed here and its signals not yet applied.
     arrivals: Arrivals,
     queue: VecDeque<(Work, Arc<Req>)>,
+    /// Since when the provider has refused every operation towards the
+    /// rank for now (`FI_EAGAIN`; None once one is taken): a connection that
+    /// never comes up (its process died before rxm connected to it) leaves
+    /// work queued that no completion will ever time out.
+    refused_since: Option<Instant>,
     inflight: HashMap<u32, Op>,
     next_op: u32,
     strangers: u64,
@@ -306,6 +311,7 @@ impl Coll {
                 issued: 0,
                 arrivals: Arrivals::default(),
                 queue: VecDeque::new(),
+                refused_since: None,
                 inflight: HashMap::new(),
                 next_op: 0,
                 strangers: 0,
@@ -639,22 +645,30 @@ impl Coll {
             Work::Send { ref msg, len } => {
                 return match r.peer.send("fi_inject", |a| ep.inject(&msg[..len], a)) {
                     Ok(()) => {
+                        r.refused_since = None;
                         req.part_done();
                         Ok(true)
                     }
-                    Err(e) if e.is_again() => Ok(false),
+                    Err(e) if e.is_again() => {
+                        r.refused_since.get_or_insert_with(Instant::now);
+                        Ok(false)
+                    }
                     Err(e) => Err(Error::from(e).context(format!("RMA: a message to {}", r.name))),
                 };
             }
         };
         match res {
             Ok(()) => {
+                r.refused_since = None;
                 r.next_op = r.next_op.wrapping_add(1);
                 r.inflight.insert(local, Op { req: Arc::clone(req), since: Instant::now() });
                 self.posted.fetch_add(1, Ordering::Relaxed);
                 Ok(true)
             }
-            Err(e) if e.is_again() => Ok(false),
+            Err(e) if e.is_again() => {
+                r.refused_since.get_or_insert_with(Instant::now);
+                Ok(false)
+            }
             Err(e) => Err(Error::from(e).context(format!("RMA: an operation towards {}", r.name))),
         }
     }
@@ -746,6 +760,19 @@ impl Coll {
                          or the rank's connection broke",
                         r.name,
                         waited.as_secs_f64(),
+                        timeout.as_secs_f64()
+                    );
+                    self.kill(r, why, last_error);
+                }
+            }
+            let stalled = scan && r.dead.is_none() && !r.queue.is_empty();
+            if let Some(t) = r.refused_since.filter(|_| stalled) {
+                let refused = now.saturating_duration_since(t);
+                if refused > timeout {
+                    let why = format!(
+                        "rank {p} ({}) declared dead: the provider refused every operation towards it for {:.1} s                          (WEFT_PEER_TIMEOUT = {:.1} s): the connection to it does not come up (its process died,                          or the network is down)",
+                        r.name,
+                        refused.as_secs_f64(),
                         timeout.as_secs_f64()
                     );
                     self.kill(r, why, last_error);
