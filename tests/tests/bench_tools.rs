@@ -304,3 +304,29 @@ fn collnet_bench_fails_at_once_when_a_thread_fails() {
         );
     }
 }
+
+/// `--post-size`: receives of 512 KiB for messages of 8 B and 64 KiB (as
+/// NCCL posts whole steps), raw and Weft, every point measured.
+#[test]
+fn receives_larger_than_their_messages_are_measured() {
+    weft_tests::isolated!();
+    let dir = out_dir("post");
+    let args = [
+        "--quick",
+        "--reps",
+        "1",
+        "--providers",
+        "shm,tcp",
+        "--sizes",
+        "8,65536",
+        "--impls",
+        "raw,weft",
+        "--post-size",
+        "524288",
+        "--no-plot",
+    ];
+    bench(&args, &dir);
+    for p in ["shm", "tcp"] {
+        csv_has(&dir, p, &["raw", "weft"]);
+    }
+}

@@ -228,13 +228,23 @@ impl Inbox {
                 return;
             }
         }
-        let mut q = lock(&self.mail);
-        if q.events.len() >= INBOX_MAX && matches!(ev, Ev::Ctrl { .. }) {
-            self.dropped.fetch_add(1, Ordering::Relaxed);
-            self.overflowed.fetch_add(1, Ordering::Relaxed);
-            return;
+        let want = matches!(ev, Ev::Ctrl { .. }) && super::wire::is_want(bytes);
+        {
+            let mut q = lock(&self.mail);
+            if q.events.len() >= INBOX_MAX && matches!(ev, Ev::Ctrl { .. }) {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+                self.overflowed.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            q.push(ev, bytes);
         }
-        q.push(ev, bytes);
+        if want {
+            // A sender waits for an offer only its comm's own progress
+            // sends, and the host may not call that comm while it retries
+            // its send (a thread that drives both ends): the keeper ticks
+            // soon, and its tick progresses the comm.
+            super::sync::hurry();
+        }
     }
 }
 

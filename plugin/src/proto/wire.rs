@@ -380,6 +380,10 @@ pub enum Ctrl {
         tag: i32,
         /// Which message of that tag (counted from 0 per comm and tag).
         idx: u32,
+        /// The message is larger than eager messages go (else the sender
+        /// is out of credits): the receiver offers its large receives at
+        /// once again (bit 0 of byte 7).
+        large: bool,
     },
     /// RDMA sender -> receiver: buffer `sub` of request `slot` gets `size`
     /// bytes (written, or being written, with an immediate naming it).
@@ -523,6 +527,12 @@ pub fn eager(buf: &[u8]) -> Option<(i32, u32, &[u8])> {
     ok.then(|| (u32_at(8) as i32, u32_at(12), &buf[EAGER_HEAD..]))
 }
 
+/// Whether `buf` (a received control message) is a [`Ctrl::Want`]: read
+/// without decoding, by whoever queues messages.
+pub fn is_want(buf: &[u8]) -> bool {
+    buf.len() >= 16 && buf[6] == KIND_WANT && buf[..4] == CTRL_MAGIC.to_le_bytes()
+}
+
 /// Whether `buf` (a received control message) is an [`Ctrl::Alive`]: read
 /// without decoding, by whoever queues messages.
 pub fn is_alive(buf: &[u8]) -> bool {
@@ -632,9 +642,9 @@ impl Ctrl {
                 out[12..16].copy_from_slice(&err.to_le_bytes());
                 16
             }
-            Ctrl::Want { tag, idx } => {
+            Ctrl::Want { tag, idx, large } => {
                 out[6] = KIND_WANT;
-                out[7] = 0;
+                out[7] = u8::from(*large);
                 out[8..12].copy_from_slice(&tag.to_le_bytes());
                 out[12..16].copy_from_slice(&idx.to_le_bytes());
                 16
@@ -784,6 +794,7 @@ impl Ctrl {
             KIND_WANT if buf.len() >= 16 => Ok(Ctrl::Want {
                 tag: u32_at(8) as i32,
                 idx: u32_at(12),
+                large: buf[7] & 1 != 0,
             }),
             KIND_EAGER if buf.len() >= EAGER_HEAD => {
                 let (tag, idx, data) = eager(buf).expect("an eager message's header");
@@ -1093,7 +1104,16 @@ mod tests {
                     })
                     .collect(),
             },
-            Ctrl::Want { tag: -3, idx: 77 },
+            Ctrl::Want {
+                tag: -3,
+                idx: 77,
+                large: true,
+            },
+            Ctrl::Want {
+                tag: 5,
+                idx: 0,
+                large: false,
+            },
             Ctrl::Wrote {
                 slot: 3,
                 sub: 7,
@@ -1154,7 +1174,12 @@ mod tests {
             b[13] = subs;
             assert_eq!(Ctrl::decode(&b[..n]), Err(CtrlError::RtrSubs(subs, 1)));
         }
-        let n = Ctrl::Want { tag: 1, idx: 2 }.encode(&mut b);
+        let n = Ctrl::Want {
+            tag: 1,
+            idx: 2,
+            large: true,
+        }
+        .encode(&mut b);
         assert_eq!(Ctrl::decode(&b[..n - 1]), Err(CtrlError::Truncated(15)));
     }
 

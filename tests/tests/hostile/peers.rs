@@ -37,7 +37,12 @@ fn next_rtr(
     (tag, idx): (i32, u32),
     mut progress: impl FnMut(),
 ) -> (u8, weft::proto::wire::RtrBuf) {
-    f.send_while(linked.to, &Ctrl::Want { tag, idx }, &mut progress);
+    let want = Ctrl::Want {
+        tag,
+        idx,
+        large: true,
+    };
+    f.send_while(linked.to, &want, &mut progress);
     poll_until("an Rtr at the forger", || {
         progress();
         match f.try_recv() {
@@ -912,9 +917,17 @@ fn offers_skip_filled_receives_and_carry_credits(provider: &str) {
     let mut c = vec![0u8; 64];
     let mc = reg(r, &c);
     let qc = irecv(r, &mut [&mut c[..]], &[6], &[mc]);
-    f.send_while(linked.to, &Ctrl::Want { tag: 6, idx: 0 }, || {
-        let _ = core::test(qc);
-    });
+    f.send_while(
+        linked.to,
+        &Ctrl::Want {
+            tag: 6,
+            idx: 0,
+            large: true,
+        },
+        || {
+            let _ = core::test(qc);
+        },
+    );
     let credits = poll_until("the next Rtr at the forger", || {
         let _ = core::test(qc);
         match f.try_recv() {
@@ -1000,9 +1013,17 @@ fn small_receives_are_offered_only_when_asked(provider: &str) {
         "{provider}: offered once asked"
     );
     // Asked before it is posted: offered when it is.
-    f.send_while(linked.to, &Ctrl::Want { tag: 7, idx: 1 }, || {
-        let _ = core::test(q1);
-    });
+    f.send_while(
+        linked.to,
+        &Ctrl::Want {
+            tag: 7,
+            idx: 1,
+            large: true,
+        },
+        || {
+            let _ = core::test(q1);
+        },
+    );
     let q3 = irecv(r, &mut [&mut small2[..]], &[7], &[ms2]);
     let (_, b) = poll_until("the asked-for receive's Rtr", || {
         let _ = core::test(q3);
@@ -1045,3 +1066,103 @@ fn small_receives_are_offered_only_when_asked(provider: &str) {
     core::close_recv(r).unwrap_or_else(|e| panic!("{provider}: closeRecv: {e}"));
 }
 weft_tests::each!(small_receives_are_offered_only_when_asked: tcp_rdma, shm_rdma);
+
+/// NCCL posts whole steps, whatever it sends: once `LAZY_AFTER` receives
+/// larger than the eager limit in a row were filled by eager messages, the
+/// comm offers its next large receives only when asked (one `Rtr` per small
+/// message saved), and a `Want` for a message too large to go eagerly makes
+/// it offer them at once again, those posted meanwhile included. Seen in the
+/// Rtrs' sequence numbers, which count every offer the comm sent: with every
+/// large receive offered, the marker offer of step 2 is not the next one.
+fn large_receives_filled_eagerly_stop_being_offered(provider: &str) {
+    let ctx = init(provider);
+    let (f, linked, r) = forger_pair(ctx, provider);
+    f.as_itself(&linked);
+    let n = u32::from(weft::proto::comms::LAZY_AFTER);
+    let mut bufs: Vec<Vec<u8>> = (0..n + 3).map(|_| vec![0u8; 64 << 10]).collect();
+    let mhs: Vec<_> = bufs.iter().map(|b| reg(r, b)).collect();
+    let mut small = vec![0u8; 32];
+    let ms = reg(r, &small);
+    let rtr = |q: *mut c_void| {
+        poll_until("an Rtr at the forger", || {
+            let _ = core::test(q);
+            match f.try_recv() {
+                Some(Ctrl::Rtr { seq, bufs, .. }) => Some((seq, bufs[0].tag, bufs[0].idx)),
+                _ => None,
+            }
+        })
+    };
+    let (filled, rest) = bufs.split_at_mut(n as usize);
+    let [b_next, b_then, b_last] = rest else {
+        unreachable!()
+    };
+    // 1. Large receives are offered unasked, and small messages fill them
+    // eagerly: the offers were for nothing.
+    for (i, b) in filled.iter_mut().enumerate() {
+        let q = irecv(r, &mut [&mut b[..]], &[1], &[mhs[i]]);
+        let k = i as u32;
+        assert_eq!(rtr(q), (k, 1, k), "{provider}: (seq, tag, number)");
+        let eager = Ctrl::Eager {
+            tag: 1,
+            idx: k,
+            data: b"small".to_vec(),
+        };
+        f.send_while(linked.to, &eager, || {
+            let _ = core::test(q);
+        });
+        assert_eq!(wait(q).sizes[0], 5, "{provider}: the eager message");
+    }
+    // 2. The next large receives are not offered: the next offer is the one
+    // the forger asks for, a small receive of another tag.
+    let q1 = irecv(r, &mut [&mut b_next[..]], &[1], &[mhs[n as usize]]);
+    let q1b = irecv(r, &mut [&mut b_then[..]], &[1], &[mhs[n as usize + 1]]);
+    let qs = irecv(r, &mut [&mut small[..]], &[2], &[ms]);
+    let ask = Ctrl::Want {
+        tag: 2,
+        idx: 0,
+        large: false,
+    };
+    f.send_while(linked.to, &ask, || {
+        let _ = core::test(q1);
+    });
+    assert_eq!(
+        rtr(qs),
+        (n, 2, 0),
+        "{provider}: the offer after large receives filled eagerly"
+    );
+    // 3. A large message is asked for: offered, with the large receive
+    // posted after it (not asked for), and from then on large receives are
+    // offered as they are posted.
+    let ask = Ctrl::Want {
+        tag: 1,
+        idx: n,
+        large: true,
+    };
+    f.send_while(linked.to, &ask, || {
+        let _ = core::test(q1);
+    });
+    assert_eq!(
+        rtr(q1),
+        (n + 1, 1, n),
+        "{provider}: the large message asked for"
+    );
+    assert_eq!(
+        rtr(q1b),
+        (n + 2, 1, n + 1),
+        "{provider}: the large receive posted while offers waited"
+    );
+    let q2 = irecv(r, &mut [&mut b_last[..]], &[1], &[mhs[n as usize + 2]]);
+    assert_eq!(
+        rtr(q2),
+        (n + 3, 1, n + 2),
+        "{provider}: offered unasked again"
+    );
+    f.send_while(linked.to, &Ctrl::Bye { sent: 0 }, || {
+        let _ = core::test(q1);
+    });
+    for q in [q1, q1b, q2, qs] {
+        let _ = core::test(q);
+    }
+    core::close_recv(r).unwrap_or_else(|e| panic!("{provider}: closeRecv: {e}"));
+}
+weft_tests::each!(large_receives_filled_eagerly_stop_being_offered: tcp_rdma, shm_rdma);

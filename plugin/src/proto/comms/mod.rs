@@ -25,7 +25,10 @@
 //! number counts the receives of its tag (a buffer an eager message that
 //! came first fills is not offered), and `credits` returns the eager
 //! credits owed. A buffer an eager message can fill is offered only when the
-//! sender asks (`Want{tag, number}`: it cannot send that message eagerly).
+//! sender asks (`Want{tag, number, large}`: it cannot send that message
+//! eagerly); so is a larger one once eager messages filled [`LAZY_AFTER`]
+//! large receives in a row (NCCL posts whole steps), until a `Want` says its
+//! message is large.
 //! The sender gives the k-th `isend` of a tag the buffer numbered k (NCCL's
 //! per-tag order); until it is offered (and the message is not eager) it
 //! returns a NULL request, as NCCL allows. It checks the size against the offer: a larger message is an
@@ -40,9 +43,10 @@
 //! tcp;ofi_rxm). No order between the two is assumed, nor between messages
 //! beyond what `seq` restores.
 //!
-//! Eager: a message that fits the provider's inject size (and
-//! `WEFT_EAGER_SIZE`) goes at once as an `Eager{tag, number, data}` control
-//! message, offered or not; the receiver copies it into the receive of the
+//! Eager: a message of at most the hub's eager limit (`WEFT_EAGER_SIZE`,
+//! capped to what the provider takes as one message: its inject size, or on
+//! rxm below its eager limit from a bounce buffer, see [`super::hub`]) goes
+//! at once as an `Eager{tag, number, data}` control message, offered or not; the receiver copies it into the receive of the
 //! same number (or keeps it until that receive is posted) and returns a
 //! credit, on its next `Rtr` or, once `EAGER_CREDIT_BATCH` (4) are owed, in a
 //! `Credit`. A sender has at most [`EAGER_CREDITS`] unconsumed (then it asks
@@ -148,6 +152,15 @@ pub const CREDITS: u32 = (super::MAX_REQUESTS * super::MAX_RECVS) as u32 + CREDI
 /// one of the receiver's posted bounce buffers, then at most one stashed
 /// copy until NCCL posts its receive).
 pub const EAGER_CREDITS: u32 = 16;
+/// RDMA: large receives (above the eager limit) filled by eager messages in
+/// a row, with no write landing between, before a receive comm offers its
+/// large receives only when asked for (NCCL posts whole steps, whatever it
+/// sends). NCCL's window, 8 steps: a stream that alternates small and large
+/// messages faster keeps offering at once, since each large message after
+/// small ones costs a `Want` (a half round trip, and a keeper tick where the
+/// host does not progress the receive comm meanwhile); 2 made a stress test
+/// of sizes cycling every 5 messages 1.7x slower.
+pub const LAZY_AFTER: u8 = 8;
 /// Eager credits are returned once this many are owed.
 const EAGER_CREDIT_BATCH: u32 = 4;
 

@@ -3,6 +3,7 @@
 //! ```text
 //! weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick]
 //!            [--sizes 8,64,...] [--impls raw,rma,weft,put] [--raw-split] [--out DIR]
+//!            [--post-size BYTES] (receives of at least BYTES, as NCCL posts)
 //!            [--micro | --micro-only] [--no-plot] [--vdev]
 //! ```
 //!
@@ -144,8 +145,16 @@ fn run() -> Res<()> {
             "--no-plot" => plot_too = false,
             // Read by both processes (the server inherits it).
             "--vdev" => std::env::set_var("WEFT_BENCH_VDEV", "1"),
+            // Read by both processes too: receives of at least this many
+            // bytes, however small the message (NCCL posts whole steps).
+            "--post-size" => {
+                let v = val()?;
+                v.parse::<usize>()
+                    .map_err(|e| format!("--post-size {v}: {e}"))?;
+                std::env::set_var("WEFT_BENCH_POST_SIZE", v);
+            }
             "-h" | "--help" => {
-                println!("usage: weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick] [--sizes 8,64,...] [--impls raw,rma,weft,put] [--raw-split] [--out DIR] [--micro | --micro-only] [--no-plot] [--vdev]");
+                println!("usage: weft-bench [--providers shm,tcp] [--version 12] [--reps 5] [--quick] [--sizes 8,64,...] [--impls raw,rma,weft,put] [--raw-split] [--out DIR] [--micro | --micro-only] [--no-plot] [--vdev] [--post-size BYTES]");
                 return Ok(());
             }
             other => return Err(format!("unknown argument {other:?}; try --help")),

@@ -31,7 +31,7 @@ pub(super) fn bw_send(
     window: usize,
     count: usize,
 ) -> Res<Duration> {
-    let n = data.data.len() / size.max(1);
+    let n = data.data.len().saturating_sub(post_size()) / size.max(1);
     let go = t.recv(small, 0, 4, Tag::Go)?;
     wait_all(t, &[go])?;
     let start = Instant::now();
@@ -60,7 +60,7 @@ pub(super) fn bw_recv(
     window: usize,
     count: usize,
 ) -> Res<()> {
-    let n = data.data.len() / size.max(1);
+    let n = data.data.len().saturating_sub(post_size()) / size.max(1);
     let mut got = 0;
     let mut reqs = Vec::with_capacity(window + 1);
     while got < count {

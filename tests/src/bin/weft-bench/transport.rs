@@ -223,6 +223,7 @@ impl Transport for Raw {
             }
             return Ok(Req::Raw(i));
         }
+        let size = posted(size, tag);
         self.post("fi_trecv", |r, ctx| {
             let (ep, from) = r.rx.as_ref().map_or((&r.ep, r.peer), |x| (&x.0, x.1));
             // SAFETY: as for send.
@@ -275,6 +276,7 @@ impl Transport for Weft {
 
     fn recv(&mut self, b: &Buf, off: usize, size: usize, tag: Tag) -> Res<Req> {
         let (net, comm) = (&self.net, self.recv);
+        let size = posted(size, tag);
         until_req("irecv", |req| {
             // SAFETY: as for send; one buffer per receive.
             unsafe {
@@ -317,11 +319,33 @@ pub(super) struct Bufs {
     pub(super) small: Buf,
 }
 
+/// `--post-size`: receives post at least this many bytes (0: the
+/// message's size), reaching past their slot into the next ones (only the
+/// message's bytes are written), so buffers get this much room at the end.
+pub(super) fn post_size() -> usize {
+    static POST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *POST.get_or_init(|| {
+        std::env::var("WEFT_BENCH_POST_SIZE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    })
+}
+
+/// What a receive of a `size`-byte message with `tag` posts: the
+/// benchmark's own "go" messages land in their small buffer as they are.
+fn posted(size: usize, tag: Tag) -> usize {
+    match tag {
+        Tag::Go => size,
+        _ => size.max(post_size()),
+    }
+}
+
 impl Bufs {
     pub(super) fn new(side: &Side, size: usize, slots: usize) -> Res<Self> {
         Ok(Self {
-            data: side.buf(size * slots)?,
-            pong: side.buf(size)?,
+            data: side.buf(size * slots + post_size())?,
+            pong: side.buf(size.max(post_size()))?,
             small: side.buf(64)?,
         })
     }

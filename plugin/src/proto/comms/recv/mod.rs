@@ -108,6 +108,14 @@ struct RecvState {
     wanted: arrayvec::ArrayVec<(i32, u32), WANTED>,
     /// RDMA: a request has `wanted` buffers to offer.
     want_due: bool,
+    /// RDMA: receives larger than the eager limit are offered only when
+    /// asked for, as the small ones are: the last ones were filled by eager
+    /// messages, so their offers were messages on the wire for nothing
+    /// (NCCL posts whole steps, whatever it sends). A `Want` for a message
+    /// too large to go eagerly ends it. See [`RecvState::offer`].
+    lazy: bool,
+    /// RDMA: large receives filled eagerly since the last write landed.
+    wasted: u8,
     /// Draws offer tickets: SipHash under a random key, of a counter.
     tickets: (std::hash::RandomState, u64),
     /// Address buffers by offset into their registration (the provider's MR
@@ -171,6 +179,8 @@ impl RecvComm {
                 eager_max: dev_eager_max,
                 wanted: arrayvec::ArrayVec::new(),
                 want_due: false,
+                lazy: false,
+                wasted: 0,
                 tickets: (std::hash::RandomState::new(), 0),
                 offsets,
                 next_idx: HashMap::new(),
@@ -598,7 +608,9 @@ impl RecvState {
                     r.sized |= 1 << sub;
                 }
             }
-            Ok(Ctrl::Want { tag, idx }) if self.path == Path::Rdma => self.on_want(tag, idx),
+            Ok(Ctrl::Want { tag, idx, large }) if self.path == Path::Rdma => {
+                self.on_want(tag, idx, large)
+            }
             Ok(Ctrl::Trunc { slot, sub, size }) => {
                 if let Some(r) = self.buffer(slot, sub, "a truncation") {
                     r.trunc.get_or_insert((sub, Some(size), false));

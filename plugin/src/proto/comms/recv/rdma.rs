@@ -11,6 +11,9 @@ impl RecvState {
     /// that it asked for. A small receive is not offered: its message comes
     /// eagerly, so an offer would be one more message on the wire for
     /// nothing; a sender that cannot send it eagerly asks ([`Ctrl::Want`]).
+    /// So is a larger one while the comm is *lazy*: [`LAZY_AFTER`] large
+    /// receives in a row were filled eagerly (NCCL posts whole steps,
+    /// whatever it sends), until a `Want` says its message is large.
     pub(super) fn offer(&mut self, seat: &Seat, slot: u32) -> Result<()> {
         let Some(mut r) = self.reqs.get(slot).copied() else {
             return Ok(());
@@ -27,7 +30,7 @@ impl RecvState {
             if let Some(at) = self.wanted.iter().position(|&w| w == key) {
                 self.wanted.swap_remove(at);
                 subs |= 1 << i;
-            } else if r.caps[i] > self.eager_max as u64 {
+            } else if r.caps[i] > self.eager_max as u64 && !self.lazy {
                 subs |= 1 << i;
             }
         }
@@ -97,7 +100,16 @@ impl RecvState {
     /// The sender asks for message `idx` of `tag`: its receive, if posted
     /// and not offered, is offered once this read of the CQ is done;
     /// one not yet posted is offered when it is.
-    pub(super) fn on_want(&mut self, tag: i32, idx: u32) {
+    pub(super) fn on_want(&mut self, tag: i32, idx: u32, large: bool) {
+        if large {
+            // Large messages come: offer large receives as they are posted,
+            // and those posted meanwhile now (else each would wait for a
+            // `Want` of its own).
+            self.wasted = 0;
+            if std::mem::take(&mut self.lazy) {
+                self.offer_large_posted();
+            }
+        }
         let posted = self.reqs.live().find_map(|i| {
             let r = self.reqs.get(i)?;
             (0..r.n)
@@ -127,6 +139,25 @@ impl RecvState {
                 "receive comm from {}: ignored a request for message {idx} of tag {tag}: {WANTED} are asked for already",
                 self.peer.link.name
             );
+        }
+    }
+
+    /// Marks every posted large receive not offered yet as wanted (offered
+    /// with what the sender asked for, [`Self::offer_wanted`]).
+    fn offer_large_posted(&mut self) {
+        let eager_max = self.eager_max as u64;
+        for i in 0..self.reqs.capacity() as u32 {
+            let Some(r) = self.reqs.get_mut(i) else {
+                continue;
+            };
+            let large = (0..r.n)
+                .filter(|&s| r.caps[usize::from(s)] > eager_max)
+                .fold(0u8, |m, s| m | (1 << s));
+            let due = large & !(r.offered | r.landed | r.sized);
+            if due != 0 {
+                r.wanted |= due;
+                self.want_due = true;
+            }
         }
     }
 
@@ -183,6 +214,13 @@ impl RecvState {
             return;
         };
         let s = usize::from(sub);
+        if r.caps[s] > self.eager_max as u64 {
+            // A large receive got a small message: LAZY_AFTER times in a row
+            // (no write between), and offering the next ones would be wasted
+            // too.
+            self.wasted = self.wasted.saturating_add(1);
+            self.lazy |= self.wasted >= LAZY_AFTER;
+        }
         if data.len() as u64 <= r.caps[s] && !data.is_empty() {
             // SAFETY: NCCL keeps the buffer writable for its size until the
             // request is reported done (its irecv contract); the data fits.
@@ -200,6 +238,8 @@ impl RecvState {
     /// peer the buffer was offered to (a Weft sender checks the size first):
     /// it is dropped.
     pub(super) fn on_landed(&mut self, slot: u8, sub: u8, hi: Option<u32>) {
+        // A large message came by write: offers are not wasted.
+        self.wasted = 0;
         let Some(r) = self.buffer(slot, sub, "a write") else {
             return;
         };

@@ -113,7 +113,8 @@ impl SendComm {
             // side's). Asked once; a full request pool waits for room.
             let room = st.reqs.in_use() < st.reqs.capacity();
             if room && st.asked != Some((tag, k)) {
-                st.peer.send(self.seat.ep(), Ctrl::Want { tag, idx: k })?;
+                let large = size > st.eager_max;
+                st.peer.send(self.seat.ep(), Ctrl::Want { tag, idx: k, large })?;
                 st.asked = Some((tag, k));
             }
             return Ok(None);
