@@ -180,6 +180,12 @@ pub const TEST_SWITCHES: &[Param] = &[
         meaning: "the plugin behaves as if writes carried 4 bytes of immediate data (EFA, verbs), so rdma sends every size in a `Wrote` control message",
     },
     Param {
+        name: "WEFT_TEST_STRIPE_ONE_RAIL",
+        default: "unset",
+        accepted: "`1`, `0`",
+        meaning: "comms on a virtual device of one rail speak the striping protocol (headers, parts) as comms on several rails do; without it they are the rail's own comms, so the striping protocol can be tested on a machine with one device",
+    },
+    Param {
         name: "WEFT_TEST_MR_MODE",
         default: "unset",
         accepted: "comma-separated `local`, `prov_key`, `allocated`, `endpoint`",
@@ -214,6 +220,8 @@ pub struct TestSwitches {
     pub mr_offset: bool,
     /// `WEFT_TEST_NARROW_IMM=1`.
     pub narrow_imm: bool,
+    /// `WEFT_TEST_STRIPE_ONE_RAIL=1`.
+    pub stripe_one_rail: bool,
     /// `WEFT_TEST_MR_MODE`.
     pub strict_mr: StrictMr,
     /// `WEFT_TEST_HMEM=system`.
@@ -230,6 +238,7 @@ impl TestSwitches {
         let mut t = Self {
             mr_offset: flag("WEFT_TEST_MR_OFFSET")?,
             narrow_imm: flag("WEFT_TEST_NARROW_IMM")?,
+            stripe_one_rail: flag("WEFT_TEST_STRIPE_ONE_RAIL")?,
             ..Self::default()
         };
         if let Some(v) = get("WEFT_TEST_MR_MODE") {
@@ -755,11 +764,13 @@ mod tests {
             ("WEFT_TEST_NARROW_IMM", "1"),
             ("WEFT_TEST_MR_OFFSET", "0"),
             ("WEFT_TEST_HMEM", "system"),
+            ("WEFT_TEST_STRIPE_ONE_RAIL", "1"),
         ])
         .unwrap();
         let want = TestSwitches {
             mr_offset: false,
             narrow_imm: true,
+            stripe_one_rail: true,
             strict_mr: StrictMr {
                 local: true,
                 endpoint: true,

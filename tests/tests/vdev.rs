@@ -1,7 +1,8 @@
 //! Virtual devices in one process: `makeVDevice` through the core, and
-//! comms on a virtual device of one rail over shm and tcp (every part of
-//! the striping protocol but the second rail; two rails between hosts are
-//! in tests/tests/cluster.rs), truncation, and forged headers.
+//! comms on a virtual device of one rail over shm and tcp: the rail's own
+//! comms (header-free), and with `WEFT_TEST_STRIPE_ONE_RAIL=1` the striping
+//! protocol (every part of it but the second rail; two rails between hosts
+//! are in tests/tests/cluster.rs), truncation, and forged headers.
 
 use weft::core;
 use weft::proto::stripe::INLINE_MAX;
@@ -9,6 +10,7 @@ use weft_tests::host;
 
 fn one_rail(provider: &str, protocol: &str) {
     std::env::set_var("WEFT_PROTOCOL", protocol);
+    std::env::set_var("WEFT_TEST_STRIPE_ONE_RAIL", "1");
     std::env::set_var("WEFT_STRIPE_SIZE", "65536");
     let ctx = host::init(provider);
     let nd = core::devices().unwrap() as i32;
@@ -136,6 +138,7 @@ fn one_rail_tcp_sendrecv() {
 fn forged_header(protocol: &str, junk: &[u8]) {
     use weft::proto::wire::{decode_any, HANDLE_SIZE};
     std::env::set_var("WEFT_PROTOCOL", protocol);
+    std::env::set_var("WEFT_TEST_STRIPE_ONE_RAIL", "1");
     let ctx = host::init("shm");
     let nd = core::devices().unwrap() as i32;
     let v = core::make_vdevice(&[0], 4).expect("makeVDevice");
@@ -176,6 +179,49 @@ fn forged_header(protocol: &str, junk: &[u8]) {
     core::finalize(ctx).unwrap();
 }
 
+/// Without the test switch a virtual device of one rail carries the rail's
+/// own comms: a plain comm connected to rail 0's listener (no header, no
+/// striping) moves verified data both ways of the protocol's paths (eager,
+/// written or sent whole), and a vdev pair does too. Fails with the striping
+/// protocol on one rail (the plain sender's data is no header).
+fn one_rail_comms_are_the_rails_own(provider: &str, protocol: &str) {
+    use weft::proto::wire::{decode_any, HANDLE_SIZE};
+    std::env::set_var("WEFT_PROTOCOL", protocol);
+    let ctx = host::init(provider);
+    let nd = core::devices().unwrap() as i32;
+    let v = core::make_vdevice(&[0], 4).expect("makeVDevice");
+    assert_eq!(v, nd);
+    let (h, l) = host::listen_on(ctx, v);
+    let (rails, striped) = decode_any(&h).expect("a rails handle");
+    assert!(striped, "a virtual device still writes a rails handle");
+    let mut plain = [0u8; HANDLE_SIZE];
+    rails[0].encode(&mut plain).unwrap();
+    let (s, r) = host::connect_pair_on(ctx, 0, &mut plain, l);
+    core::close_listen(l).unwrap();
+    for len in [24usize, 5000, 1 << 20] {
+        host::send_verified(s, r, 3, len);
+    }
+    host::close_pair(s, r);
+    let (s, r) = host::pair_on(ctx, v);
+    for len in [24usize, 5000, 1 << 20] {
+        host::send_verified(s, r, 4, len);
+    }
+    host::close_pair(s, r);
+    core::finalize(ctx).unwrap();
+}
+
+#[test]
+fn one_rail_comms_are_the_rails_own_tcp_rdma() {
+    weft_tests::isolated!();
+    one_rail_comms_are_the_rails_own("tcp", "rdma");
+}
+
+#[test]
+fn one_rail_comms_are_the_rails_own_shm_sendrecv() {
+    weft_tests::isolated!();
+    one_rail_comms_are_the_rails_own("shm", "sendrecv");
+}
+
 #[test]
 fn forged_header_rdma() {
     weft_tests::isolated!();
@@ -201,6 +247,7 @@ fn short_header_sendrecv() {
 /// investigated), so an rdma sender cannot finish them first.
 fn what_was_sent_before_the_close_is_received(provider: &str) {
     std::env::set_var("WEFT_STRIPE_SIZE", "65536");
+    std::env::set_var("WEFT_TEST_STRIPE_ONE_RAIL", "1");
     let ctx = host::init(provider);
     let v = core::make_vdevice(&[0], 4).expect("makeVDevice");
     let (s, r) = host::pair_on(ctx, v);

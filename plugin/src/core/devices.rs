@@ -79,7 +79,7 @@ pub fn make_vdevice(devs: &[i32], max: usize) -> Result<i32> {
         rails.push(Arc::clone(dev));
     }
     let members: Vec<&Properties> = rails.iter().map(|r| &p.props[r.index]).collect();
-    let props = props::fused(&members, devs);
+    let props = props::fused(&members, devs, stripes(&p.config, rails.len()));
     let mut vdevs = p.vdevs.lock().unwrap_or_else(|e| e.into_inner());
     let index = nphys + vdevs.len();
     tracing::info!(
@@ -91,6 +91,16 @@ pub fn make_vdevice(devs: &[i32], max: usize) -> Result<i32> {
     );
     vdevs.push(VDev { rails, props });
     i32::try_from(index).map_err(|_| Error::internal("makeVDevice: too many devices"))
+}
+
+/// Whether comms on a virtual device of `rails` rails speak the striping
+/// protocol: over several rails, not over one (its comms are then the
+/// rail's own, header-free: one message per message and grouped receives,
+/// as on the physical device), unless the test switch
+/// `WEFT_TEST_STRIPE_ONE_RAIL` asks for it. Both ends decide alike: their
+/// devices have the same rail count (checked at connect).
+pub(super) fn stripes(config: &crate::config::Config, rails: usize) -> bool {
+    rails > 1 || config.test.stripe_one_rail
 }
 
 /// `getProperties(dev)`.

@@ -287,9 +287,9 @@ pub fn for_rma(net: &Properties) -> Properties {
 /// devices `devs`, in NCCL's order), as NCCL expects them: its own name
 /// (the members' joined with `+`, as NCCL's IB transport names fused NICs)
 /// and guid, the sum of the speeds, the members in `vProps`, what every
-/// member supports, and no grouped receives (messages are striped, see
-/// `proto::stripe`).
-pub fn fused(members: &[&Properties], devs: &[i32]) -> Properties {
+/// member supports, and no grouped receives where messages are striped
+/// (`striped`, see `proto::stripe`; else, on one rail, the rail's own).
+pub fn fused(members: &[&Properties], devs: &[i32], striped: bool) -> Properties {
     let first = members[0];
     let names: Vec<String> = members
         .iter()
@@ -311,7 +311,7 @@ pub fn fused(members: &[&Properties], devs: &[i32]) -> Properties {
         port: first.port,
         latency: members.iter().map(|m| m.latency).fold(0.0, f32::max),
         max_comms: members.iter().map(|m| m.max_comms).min().unwrap_or(1),
-        max_recvs: 1,
+        max_recvs: if striped { 1 } else { first.max_recvs },
         net_device_type: first.net_device_type,
         net_device_version: first.net_device_version,
         vdevs: devs.to_vec(),
@@ -354,7 +354,7 @@ mod tests {
         let mut b = member(1, "r1", 100_000);
         b.ptr_support = PTR_HOST | PTR_CUDA;
         b.max_comms = 7;
-        let v = fused(&[&a, &b], &[0, 1]);
+        let v = fused(&[&a, &b], &[0, 1], true);
         assert_eq!(v.name.to_str().unwrap(), "r0+r1");
         assert_eq!(v.speed, 125_000);
         assert_eq!(v.vdevs, [0, 1]);
@@ -363,7 +363,9 @@ mod tests {
         assert_eq!(v.max_recvs, 1);
         assert_ne!(v.guid, a.guid);
         assert_ne!(v.guid, b.guid);
-        assert_ne!(v.guid, fused(&[&b, &a], &[1, 0]).guid);
+        assert_ne!(v.guid, fused(&[&b, &a], &[1, 0], true).guid);
+        let one = fused(&[&a], &[0], false);
+        assert_eq!(one.max_recvs, a.max_recvs, "one rail: its own comms");
     }
 
     #[test]

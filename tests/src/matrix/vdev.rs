@@ -45,15 +45,17 @@ pub(super) unsafe fn vdev(n: &dyn Net, c: &mut Checks, ctx: *mut c_void, nd: c_i
         let v = nd;
         c.ok("devices", "after makeVDevice", n.devices(&mut now))?;
         c.that(now == nd + 1, "devices", "after makeVDevice", nd + 1, now)?;
-        let (pname, pspeed, ..) = n.props(0).map_err(|r| format!("getProperties(0): {r}"))?;
+        // One rail: the rail's own comms, so its grouped receives too.
+        let (pname, pspeed, precvs, _) =
+            n.props(0).map_err(|r| format!("getProperties(0): {r}"))?;
         let got = n.props(v);
         c.that(
             got.as_ref().is_ok_and(|(name, speed, recvs, _)| {
-                *name == pname && *speed == pspeed && *recvs == 1
+                *name == pname && *speed == pspeed && *recvs == precvs
             }),
             "getProperties",
             v,
-            format_args!("name {pname:?}, speed {pspeed}, maxRecvs 1"),
+            format_args!("name {pname:?}, speed {pspeed}, maxRecvs {precvs}"),
             format_args!("{got:?}"),
         )?;
         let (vp, vp0) = (n.vprops(v), n.vprops(0));
@@ -147,23 +149,24 @@ pub(super) unsafe fn vdev(n: &dyn Net, c: &mut Checks, ctx: *mut c_void, nd: c_i
                 sizes[k][0],
             )?;
         }
-        // Grouped receives: the virtual device said maxRecvs = 1.
+        // Grouped receives: no more than the virtual device said (maxRecvs,
+        // its rail's own on one rail).
+        let over = precvs as usize + 1;
         let mut q = null();
         let r = n.irecv(
             p.r,
-            &mut [
-                dst.as_mut_ptr().cast(),
-                dst.as_mut_ptr().wrapping_add(8).cast(),
-            ],
-            &[8, 8],
-            &mut [1, 2],
-            &mut [rmh, rmh],
+            &mut (0..over)
+                .map(|k| dst.as_mut_ptr().wrapping_add(8 * k).cast())
+                .collect::<Vec<_>>(),
+            &vec![8; over],
+            &mut (1..=over as i32).collect::<Vec<_>>(),
+            &mut vec![rmh; over],
             &mut q,
         );
         c.that(
             r == 3 && q.is_null(),
             "irecv",
-            "n = 2 on a virtual device",
+            format_args!("n = {over} on a virtual device of maxRecvs {precvs}"),
             "ncclInternalError (3)",
             format_args!("result {r}"),
         )?;

@@ -16,6 +16,9 @@ pub(super) struct ListenState {
 pub struct StripedListen {
     pub(super) rails: Vec<Arc<dyn Listener>>,
     pub(super) stripe: usize,
+    /// Its comm speaks the striping protocol (else, on one rail, it is the
+    /// rail's own comm).
+    pub(super) striped: bool,
     pub(super) st: Mutex<ListenState>,
 }
 
@@ -26,12 +29,15 @@ impl std::fmt::Debug for StripedListen {
 }
 
 impl StripedListen {
-    /// A listener over `rails` (rail order = the virtual device's).
-    pub fn new(rails: Vec<Arc<dyn Listener>>, stripe: usize) -> Self {
+    /// A listener over `rails` (rail order = the virtual device's);
+    /// `striped`: its comm speaks the striping protocol, else (one rail) it
+    /// is the rail's own comm.
+    pub fn new(rails: Vec<Arc<dyn Listener>>, stripe: usize, striped: bool) -> Self {
         let got = vec![None; rails.len()];
         Self {
             rails,
             stripe,
+            striped: striped || got.len() > 1,
             st: Mutex::new(ListenState { got, handed: false }),
         }
     }
@@ -60,7 +66,10 @@ impl Listener for StripedListen {
             return Ok(None);
         }
         st.handed = true;
-        let rails: Vec<_> = st.got.iter_mut().map(|c| c.take().expect("all")).collect();
+        let mut rails: Vec<_> = st.got.iter_mut().map(|c| c.take().expect("all")).collect();
+        if !self.striped {
+            return Ok(rails.pop());
+        }
         Ok(Some(Arc::new(StripedRecv::new(rails, self.stripe)?)))
     }
 

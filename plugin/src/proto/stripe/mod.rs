@@ -1,6 +1,11 @@
 //! Virtual devices: one comm over several rails (NCCL's NIC fusion,
 //! `makeVDevice`), for either protocol.
 //!
+//! A virtual device of one rail does not stripe: its comms are the rail's
+//! own (`core::connect` and [`StripedListen`] hand them out as they are),
+//! header-free, unless the test switch `WEFT_TEST_STRIPE_ONE_RAIL` asks for
+//! the protocol below on one rail.
+//!
 //! A comm on a virtual device is one member comm per rail, each an ordinary
 //! comm of the protocol on that rail's device, connected rail to rail (rail
 //! `i` of the sender to rail `i` of the listener; the listen handle lists
@@ -43,7 +48,8 @@
 //! keep NCCL's buffers until the comm is closed, as any comm closed with
 //! receives in flight). A comm does not carry on over the remaining rails.
 //!
-//! Grouped receives are not striped: a virtual device reports `maxRecvs = 1`.
+//! Grouped receives are not striped: a striped virtual device reports
+//! `maxRecvs = 1` (one of one rail reports its rail's).
 //!
 //! Files, as `comms/` is split: this one holds what both sides share (the
 //! member comms, a side's state `Half`, the generic `Striped` comm);
