@@ -56,25 +56,26 @@ fn csv_has(dir: &std::path::Path, p: &str, imps: &[&str]) {
     }
 }
 
+/// One quick repetition of 8 B and 64 KiB on both providers (what
+/// [`csv_has`] checks).
+const QUICK_BOTH: &[&str] = &[
+    "--quick",
+    "--reps",
+    "1",
+    "--providers",
+    "shm,tcp",
+    "--sizes",
+    "8,65536",
+    "--no-plot",
+];
+
 /// `--impls rma,put`: Weft's RMA puts with signals beside raw
 /// `fi_writedata`, every point measured for both.
 #[test]
 fn rma_puts_are_measured_beside_raw_writes() {
     weft_tests::isolated!();
     let dir = out_dir("put");
-    let args = [
-        "--quick",
-        "--reps",
-        "1",
-        "--providers",
-        "shm,tcp",
-        "--sizes",
-        "8,65536",
-    ];
-    let stdout = bench(
-        &[&args[..], &["--impls", "rma,put", "--no-plot"]].concat(),
-        &dir,
-    );
+    let stdout = bench(&[QUICK_BOTH, &["--impls", "rma,put"]].concat(), &dir);
     assert!(stdout.contains("put/write"), "the table lacks put/write");
     for p in ["shm", "tcp"] {
         csv_has(&dir, p, &["rma", "put"]);
@@ -311,21 +312,8 @@ fn collnet_bench_fails_at_once_when_a_thread_fails() {
 fn receives_larger_than_their_messages_are_measured() {
     weft_tests::isolated!();
     let dir = out_dir("post");
-    let args = [
-        "--quick",
-        "--reps",
-        "1",
-        "--providers",
-        "shm,tcp",
-        "--sizes",
-        "8,65536",
-        "--impls",
-        "raw,weft",
-        "--post-size",
-        "524288",
-        "--no-plot",
-    ];
-    bench(&args, &dir);
+    let args = ["--impls", "raw,weft", "--post-size", "524288"];
+    bench(&[QUICK_BOTH, &args].concat(), &dir);
     for p in ["shm", "tcp"] {
         csv_has(&dir, p, &["raw", "weft"]);
     }
