@@ -34,7 +34,7 @@ pub(super) fn listen_on(
         Arc::new(proto::stripe::StripedListen::new(
             rails,
             c.plugin.config.stripe_size,
-            stripes(&c.plugin.config, d.rails.len()),
+            d.striped,
         ))
     } else {
         let (l, h) = c.plugin.protocol.listen(Arc::clone(&d.rails[0]), nonce)?;
@@ -115,7 +115,7 @@ pub(super) fn connect_on(
                 // comm of it: one comm's class cannot be applied alone.
                 tracing::debug!(target: "weft::connect", "device {dev}: traffic class {tc} asked; not applied (endpoints are shared by the device's comms)");
             }
-            let comm: Arc<dyn proto::Sender> = if d.virtual_ && stripes(&c.plugin.config, d.rails.len()) {
+            let comm: Arc<dyn proto::Sender> = if d.striped {
                 let members = d
                     .rails
                     .iter()

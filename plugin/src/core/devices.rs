@@ -20,6 +20,7 @@ pub(super) fn device(plugin: &Plugin, dev: i32) -> Result<Dev> {
             index: p.index,
             rails: vec![Arc::clone(p)],
             virtual_: false,
+            striped: false,
         });
     }
     if let Some(v) = d.and_then(|d| vdevs.get(d.wrapping_sub(nphys))) {
@@ -27,6 +28,7 @@ pub(super) fn device(plugin: &Plugin, dev: i32) -> Result<Dev> {
             index: d.unwrap_or_default(),
             rails: v.rails.clone(),
             virtual_: true,
+            striped: v.striped,
         });
     }
     Err(Error::bad_handle(format!(
@@ -79,7 +81,8 @@ pub fn make_vdevice(devs: &[i32], max: usize) -> Result<i32> {
         rails.push(Arc::clone(dev));
     }
     let members: Vec<&Properties> = rails.iter().map(|r| &p.props[r.index]).collect();
-    let props = props::fused(&members, devs, stripes(&p.config, rails.len()));
+    let striped = stripes(&p.config, rails.len());
+    let props = props::fused(&members, devs, striped);
     let mut vdevs = p.vdevs.lock().unwrap_or_else(|e| e.into_inner());
     let index = nphys + vdevs.len();
     tracing::info!(
@@ -89,7 +92,11 @@ pub fn make_vdevice(devs: &[i32], max: usize) -> Result<i32> {
         props.speed,
         p.config.stripe_size
     );
-    vdevs.push(VDev { rails, props });
+    vdevs.push(VDev {
+        rails,
+        props,
+        striped,
+    });
     i32::try_from(index).map_err(|_| Error::internal("makeVDevice: too many devices"))
 }
 
@@ -99,7 +106,7 @@ pub fn make_vdevice(devs: &[i32], max: usize) -> Result<i32> {
 /// as on the physical device), unless the test switch
 /// `WEFT_TEST_STRIPE_ONE_RAIL` asks for it. Both ends decide alike: their
 /// devices have the same rail count (checked at connect).
-pub(super) fn stripes(config: &crate::config::Config, rails: usize) -> bool {
+fn stripes(config: &crate::config::Config, rails: usize) -> bool {
     rails > 1 || config.test.stripe_one_rail
 }
 

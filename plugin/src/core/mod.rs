@@ -88,6 +88,9 @@ pub struct VDev {
     pub rails: Vec<Arc<DeviceState>>,
     /// What `getProperties` reports for it.
     pub props: Properties,
+    /// Its comms speak the striping protocol (decided once, at
+    /// `makeVDevice`: see `devices::stripes`).
+    pub striped: bool,
 }
 
 /// A device as NCCL numbers it: a physical one (one rail) or a virtual one.
@@ -96,6 +99,8 @@ struct Dev {
     index: usize,
     rails: Vec<Arc<DeviceState>>,
     virtual_: bool,
+    /// A virtual device whose comms stripe (false: the rail's own comms).
+    striped: bool,
 }
 
 /// A context: per communicator (v11+) or the one process context (older).

@@ -266,8 +266,9 @@ impl Bounce {
     }
 
     /// Sends `head` followed by `data` to `to` as one message from a bounce
-    /// buffer, for comm `id`. `Ok(false)`: no buffer is free (or the message
-    /// does not fit one); nothing was sent.
+    /// buffer, for comm `id`. `Ok(false)`: no buffer is free now; nothing was
+    /// sent. A message larger than a buffer (the hub's eager limit bounds
+    /// what comes here) is an error, never a retry.
     pub(crate) fn send(
         &self,
         ep: &Endpoint,
@@ -279,7 +280,14 @@ impl Bounce {
         let len = head.len() + data.len();
         let mut b = self.lock();
         if len > b.list.elem_size() {
-            return Ok(false);
+            return Err(FiError {
+                call: "fi_send",
+                code: fi::FI_EMSGSIZE,
+                text: format!(
+                    "an eager message of {len} bytes does not fit a bounce buffer of {}",
+                    b.list.elem_size()
+                ),
+            });
         }
         let Ok(e) = b.list.alloc() else {
             return Ok(false);

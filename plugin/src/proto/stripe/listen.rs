@@ -37,7 +37,7 @@ impl StripedListen {
         Self {
             rails,
             stripe,
-            striped: striped || got.len() > 1,
+            striped,
             st: Mutex::new(ListenState { got, handed: false }),
         }
     }
