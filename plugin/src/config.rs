@@ -45,7 +45,7 @@ pub const PARAMS: &[Param] = &[
         name: "WEFT_PROTOCOL",
         default: "auto",
         accepted: "`auto`, `sendrecv` (tagged messages), `rdma` (receiver-driven writes)",
-        meaning: "data-path protocol. `auto` picks rdma where the provider offers FI_RMA with at least 4 bytes of remote CQ data on every device that really arrive (not on verbs;ofi_rxm with FI_OFI_RXM_USE_SRX=1, docs/verbs.md), else sendrecv, and says at INFO which and why. Forcing `rdma` where the provider cannot is an init error naming what is missing. Every rank must use the same protocol (connect says so if not)",
+        meaning: "data-path protocol. `auto` picks rdma where the provider offers FI_RMA with at least 4 bytes of remote CQ data on every device that really arrive, or where it orders a send after a write (FI_ORDER_SAW) and each write is announced by a message instead (verbs;ofi_rxm with FI_OFI_RXM_USE_SRX=1, docs/verbs.md), else sendrecv, and says at INFO which and why. Forcing `rdma` where the provider cannot is an init error naming what is missing. Every rank must use the same protocol (connect says so if not)",
     },
     Param {
         name: "WEFT_EAGER_SIZE",
@@ -186,6 +186,12 @@ pub const TEST_SWITCHES: &[Param] = &[
         meaning: "comms on a virtual device of one rail speak the striping protocol (headers, parts) as comms on several rails do; without it they are the rail's own comms, so the striping protocol can be tested on a machine with one device",
     },
     Param {
+        name: "WEFT_TEST_ANNOUNCE_WRITES",
+        default: "unset",
+        accepted: "`1`, `0`",
+        meaning: "the plugin behaves as if its provider lost a write's remote CQ data (verbs;ofi_rxm with FI_OFI_RXM_USE_SRX=1), so rdma writes carry none and each is announced by a `Wrote` control message (where the provider orders a send after a write: tcp;ofi_rxm here)",
+    },
+    Param {
         name: "WEFT_TEST_MR_MODE",
         default: "unset",
         accepted: "comma-separated `local`, `prov_key`, `allocated`, `endpoint`",
@@ -222,6 +228,8 @@ pub struct TestSwitches {
     pub narrow_imm: bool,
     /// `WEFT_TEST_STRIPE_ONE_RAIL=1`.
     pub stripe_one_rail: bool,
+    /// `WEFT_TEST_ANNOUNCE_WRITES=1`.
+    pub announce_writes: bool,
     /// `WEFT_TEST_MR_MODE`.
     pub strict_mr: StrictMr,
     /// `WEFT_TEST_HMEM=system`.
@@ -239,6 +247,7 @@ impl TestSwitches {
             mr_offset: flag("WEFT_TEST_MR_OFFSET")?,
             narrow_imm: flag("WEFT_TEST_NARROW_IMM")?,
             stripe_one_rail: flag("WEFT_TEST_STRIPE_ONE_RAIL")?,
+            announce_writes: flag("WEFT_TEST_ANNOUNCE_WRITES")?,
             ..Self::default()
         };
         if let Some(v) = get("WEFT_TEST_MR_MODE") {
@@ -765,12 +774,14 @@ mod tests {
             ("WEFT_TEST_MR_OFFSET", "0"),
             ("WEFT_TEST_HMEM", "system"),
             ("WEFT_TEST_STRIPE_ONE_RAIL", "1"),
+            ("WEFT_TEST_ANNOUNCE_WRITES", "1"),
         ])
         .unwrap();
         let want = TestSwitches {
             mr_offset: false,
             narrow_imm: true,
             stripe_one_rail: true,
+            announce_writes: true,
             strict_mr: StrictMr {
                 local: true,
                 endpoint: true,

@@ -74,16 +74,25 @@ pub struct Rma {
     /// Bytes of remote CQ data a write carries (0 if none).
     pub cq_data_size: usize,
     /// Why the remote CQ data the provider advertises does not reach the
-    /// target here, where Weft knows it ([`lost_cq_data`]).
+    /// target here, where Weft knows it ([`lost_cq_data`]; or the test
+    /// switch `WEFT_TEST_ANNOUNCE_WRITES`): then the rdma protocol announces
+    /// every write to this device with a message instead.
     pub cq_data_lost: Option<&'static str>,
+    /// The provider delivers a send after the writes posted before it on the
+    /// same endpoint to the same peer (`FI_ORDER_SAW`), so a message can
+    /// announce a write: when it arrives, the data is there.
+    pub send_after_write: bool,
 }
 
 impl Rma {
     /// Whether an RDMA-write protocol could run here: `FI_RMA` with at
     /// least 4 bytes of remote CQ data (what EFA and verbs give) that
-    /// really arrive.
+    /// really arrive, or, where they are lost, sends ordered after writes
+    /// (each write is then announced by a message).
     pub fn qualifies(&self) -> bool {
-        self.offered && self.cq_data_size >= 4 && self.cq_data_lost.is_none()
+        self.offered
+            && self.cq_data_size >= 4
+            && (self.cq_data_lost.is_none() || self.send_after_write)
     }
 }
 
@@ -108,7 +117,7 @@ pub fn lost_cq_data(provider: &str, use_srx: Option<&str>) -> Option<&'static st
             .any(|t| v.trim().eq_ignore_ascii_case(t))
     });
     (core == "verbs" && rxm && on).then_some(
-        "FI_OFI_RXM_USE_SRX=1 puts rxm's verbs receives in a shared receive queue, whose completions libfabric's verbs provider reports as messages: a write's remote CQ data never reaches the target (unset FI_OFI_RXM_USE_SRX for the rdma protocol)",
+        "FI_OFI_RXM_USE_SRX=1 puts rxm's verbs receives in a shared receive queue, whose completions libfabric's verbs provider reports as messages: a write's remote CQ data never reaches the target",
     )
 }
 
@@ -148,7 +157,11 @@ fn rma_of(provider: &str, hmem: bool, test: &TestSwitches) -> Vec<(String, Rma, 
                     cq_data_lost: lost_cq_data(
                         provider,
                         std::env::var("FI_OFI_RXM_USE_SRX").ok().as_deref(),
-                    ),
+                    )
+                    .or(test.announce_writes.then_some(
+                        "WEFT_TEST_ANNOUNCE_WRITES=1 (a test switch) treats remote CQ data as lost",
+                    )),
+                    send_after_write: i.tx_msg_order() & u64::from(libfabric_sys::FI_ORDER_SAW) != 0,
                 },
                 i.to_owned().ok()?,
             ))
@@ -342,12 +355,15 @@ mod tests {
         for p in ["tcp;ofi_rxm", "shm", "efa", "verbs", "tcp"] {
             assert_eq!(lost_cq_data(p, Some("1")), None, "{p}");
         }
+        // Lost CQ data: rdma runs only where a message can announce a write.
         let rma = Rma {
             offered: true,
             cq_data_size: 4,
             cq_data_lost: lost_cq_data("verbs;ofi_rxm", Some("1")),
+            send_after_write: false,
         };
         assert!(!rma.qualifies());
         assert!(Rma { cq_data_lost: None, ..rma }.qualifies());
+        assert!(Rma { send_after_write: true, ..rma }.qualifies());
     }
 }

@@ -282,7 +282,7 @@ impl Forger {
                 self.src.as_ptr(),
                 len,
                 self.src_mr.desc(),
-                imm,
+                Some(imm),
                 to,
                 addr,
                 key,

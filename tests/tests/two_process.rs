@@ -175,3 +175,14 @@ fn protocol_mismatch_is_named() {
     );
     peer.quit();
 }
+
+/// rdma as on verbs;ofi_rxm with a shared receive context, where a write's
+/// remote CQ data never reaches the target: writes carry none and each is
+/// announced by a `Wrote`, which tcp;ofi_rxm delivers after the write's data
+/// (FI_ORDER_SAW). A receiver that waited for immediates would wait forever.
+#[test]
+fn tcp_two_processes_announced_writes() {
+    weft_tests::isolated!();
+    std::env::set_var("WEFT_TEST_ANNOUNCE_WRITES", "1");
+    with_protocol("rdma", "tcp");
+}

@@ -246,8 +246,9 @@ impl Endpoint {
     }
 
     /// Writes `len` bytes into a peer's registered memory at `raddr` (key
-    /// `key`) and raises a completion there carrying `data` (remote CQ data).
-    /// `FI_EAGAIN` means "progress the CQ and retry".
+    /// `key`): with `Some(data)`, `fi_writedata`, which raises a completion
+    /// there carrying `data` (remote CQ data); with `None`, `fi_write`, which
+    /// the target never sees. `FI_EAGAIN` means "progress the CQ and retry".
     ///
     /// # Safety
     /// As for [`Endpoint::tsend`]: the source stays valid and unchanged until
@@ -258,18 +259,22 @@ impl Endpoint {
         buf: *const u8,
         len: usize,
         desc: *mut libc::c_void,
-        data: u64,
+        data: Option<u64>,
         dest: FiAddr,
         raddr: u64,
         key: u64,
         ctx: *mut libc::c_void,
     ) -> Result<(), FiError> {
-        let ep = self.live("fi_writedata")?;
-        self.check_desc("fi_writedata", len, desc)?;
+        let what = if data.is_some() { "fi_writedata" } else { "fi_write" };
+        let ep = self.live(what)?;
+        self.check_desc(what, len, desc)?;
         // SAFETY: upheld by the caller as documented; the remote range is the
         // peer's to validate (its provider checks the key and bounds).
-        check("fi_writedata", unsafe {
-            fi::fi_writedata(ep, buf.cast(), len, desc, data, dest, raddr, key, ctx)
+        check(what, unsafe {
+            match data {
+                Some(data) => fi::fi_writedata(ep, buf.cast(), len, desc, data, dest, raddr, key, ctx),
+                None => fi::fi_write(ep, buf.cast(), len, desc, dest, raddr, key, ctx),
+            }
         })
         .map(drop)
     }

@@ -220,6 +220,11 @@ impl<'a> InfoRef<'a> {
         // SAFETY: as above.
         unsafe { self.0.tx_attr.as_ref() }.map_or(0, |a| a.inject_size)
     }
+    /// The transmit side's message ordering (`FI_ORDER_*` bits).
+    pub fn tx_msg_order(&self) -> u64 {
+        // SAFETY: as above.
+        unsafe { self.0.tx_attr.as_ref() }.map_or(0, |a| a.msg_order)
+    }
     /// Endpoints the domain supports.
     pub fn max_endpoints(&self) -> usize {
         self.domain_attr().map_or(0, |a| a.ep_cnt)

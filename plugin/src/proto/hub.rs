@@ -288,6 +288,10 @@ pub struct Hub {
     peer_timeout: std::time::Duration,
     /// Writes carry 8 bytes of immediate, so sizes ride in them.
     wide: bool,
+    /// Writes into this device never raise their remote CQ data here
+    /// (`Rma::cq_data_lost`): its receive comms ask their senders to announce
+    /// each write with a `Wrote` instead.
+    announce: bool,
     /// The largest eager message (data bytes) this hub's buffers take.
     eager_max: usize,
     /// The largest message the provider injects (header and data).
@@ -380,6 +384,7 @@ impl Hub {
             // carried only 4 bytes of immediate (EFA, verbs), so every size
             // travels in a `Wrote`.
             wide: dev.dev.rma.cq_data_size >= 8 && !dev.dev.test.narrow_imm,
+            announce: dev.dev.rma.cq_data_lost.is_some(),
             eager_max,
             inject_max: dev.dev.inject_size,
             sources: dev.domain.info().caps() & fi::FI_SOURCE != 0,
@@ -437,6 +442,12 @@ impl Hub {
     /// Whether sizes ride in immediates (8 bytes of remote CQ data).
     pub fn wide(&self) -> bool {
         self.wide
+    }
+
+    /// Whether writes into this device must be announced by a message
+    /// (their remote CQ data never arrives here).
+    pub fn announce(&self) -> bool {
+        self.announce
     }
 
     /// Whether completions say where they came from (`FI_SOURCE`): then a

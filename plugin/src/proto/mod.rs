@@ -314,12 +314,17 @@ pub fn choose(
         .iter()
         .all(|d| d.rma.qualifies() && d.rma_info.is_some())
     {
+        let announced = devices.iter().find_map(|d| d.rma.cq_data_lost).map_or_else(String::new, |why| {
+            format!("; {why}, so every write is announced by a message, which {provider} delivers after the write (FI_ORDER_SAW)")
+        });
         Ok(format!(
-            "{provider} offers FI_RMA with {} bytes of remote CQ data on every device",
+            "{provider} offers FI_RMA with {} bytes of remote CQ data on every device{announced}",
             devices[0].rma.cq_data_size
         ))
     } else if let Some(why) = devices.iter().find_map(|d| d.rma.cq_data_lost) {
-        Err(format!("{provider} offers FI_RMA, but {why}"))
+        Err(format!(
+            "{provider} offers FI_RMA, but {why}, and it does not order a send after a write (FI_ORDER_SAW), which announcing writes by a message needs"
+        ))
     } else if devices.iter().any(|d| d.rma.offered) {
         Err(format!(
             "{provider} offers FI_RMA, but not with 4 bytes of remote CQ data on every device"

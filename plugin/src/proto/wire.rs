@@ -328,7 +328,12 @@ pub enum Ctrl {
         /// Messages the sender may have outstanding before credits return.
         credits: u32,
         /// RDMA: the largest eager message the receiver takes (0: none).
+        /// Below 2^31: the word's top bit carries `announce`.
         eager: u32,
+        /// RDMA: the receiver never sees a write's remote CQ data (its
+        /// provider loses it), so the sender writes without it and announces
+        /// every write with a `Wrote` the provider delivers after the data.
+        announce: bool,
         /// The receive comm's id on its endpoint (0: its own endpoint).
         id: u32,
         /// The receive endpoint's address.
@@ -512,6 +517,10 @@ const KIND_WANT: u8 = 12;
 /// Bytes before a Posted's entries, and per entry.
 const POSTED_HEAD: usize = 8;
 const POSTED_ENTRY: usize = 8;
+/// The largest eager limit an Ack states (the word's top bit is its
+/// `announce` flag).
+const ACK_EAGER_MAX: u32 = (1 << 31) - 1;
+
 /// Where the address of a Conn or Ack starts.
 const ADDR_AT: usize = 28;
 
@@ -585,13 +594,15 @@ impl Ctrl {
                 conn,
                 credits,
                 eager,
+                announce,
                 id,
                 addr,
             } => {
                 out[6] = KIND_ACK;
                 out[8..16].copy_from_slice(&conn.to_le_bytes());
                 out[16..20].copy_from_slice(&credits.to_le_bytes());
-                out[20..24].copy_from_slice(&eager.to_le_bytes());
+                let word = (*eager).min(ACK_EAGER_MAX) | (u32::from(*announce) << 31);
+                out[20..24].copy_from_slice(&word.to_le_bytes());
                 out[24..28].copy_from_slice(&id.to_le_bytes());
                 put_addr(out, ADDR_AT, addr)
             }
@@ -743,7 +754,8 @@ impl Ctrl {
             KIND_ACK if buf.len() >= ADDR_AT => Ok(Ctrl::Ack {
                 conn: u64_at(8),
                 credits: u32_at(16),
-                eager: u32_at(20),
+                eager: u32_at(20) & ACK_EAGER_MAX,
+                announce: u32_at(20) >> 31 != 0,
                 id: u32_at(24),
                 addr: addr()?,
             }),
@@ -965,6 +977,7 @@ mod tests {
                 conn: 2,
                 credits: 3,
                 eager: 0,
+                announce: false,
                 id: 0,
                 addr: Vec::new(),
             },
@@ -1060,8 +1073,17 @@ mod tests {
                 conn: 2,
                 credits: 256,
                 eager: 8192,
+                announce: false,
                 id: 78,
                 addr: vec![7; 40],
+            },
+            Ctrl::Ack {
+                conn: 3,
+                credits: 16,
+                eager: 8192,
+                announce: true,
+                id: 79,
+                addr: vec![6; 40],
             },
             Ctrl::Credit { count: 64 },
             Ctrl::Alive,

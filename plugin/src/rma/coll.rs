@@ -635,7 +635,7 @@ impl Coll {
                 let imm = (u64::from(r.their_id) << 8) | IMM_TAG;
                 // SAFETY: NCCL's registered source, unchanged until the request
                 // completes (iput's contract); the target range was checked.
-                r.peer.send("fi_writedata", |a| unsafe { ep.writedata(src, len, desc, imm, a, raddr, key, ctx) })
+                r.peer.send("fi_writedata", |a| unsafe { ep.writedata(src, len, desc, Some(imm), a, raddr, key, ctx) })
             }
             Work::Read { dst, len, desc, raddr, key } => {
                 // SAFETY: NCCL's registered destination, untouched until the

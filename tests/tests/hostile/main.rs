@@ -151,6 +151,7 @@ fn forged_ack_addresses(provider: &str) {
                 conn: conn.0,
                 credits: 8,
                 eager: 0,
+                announce: false,
                 id: 1,
                 addr,
             },

@@ -112,6 +112,7 @@ impl ListenComm {
                                 u32::try_from(super::unannounced_max(&self.dev)).unwrap_or(u32::MAX)
                             }
                         },
+                        announce: self.path == Path::Rdma && self.seat.hub.announce(),
                         id: rid,
                         addr: self.seat.hub.name(Port::Passive).to_vec(),
                     },

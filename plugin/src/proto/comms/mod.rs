@@ -41,7 +41,12 @@
 //! provider gives 8 bytes of CQ data, else from a `Wrote{slot, buffer, size}`
 //! message; never from the completion's length (0 for a remote write on
 //! tcp;ofi_rxm). No order between the two is assumed, nor between messages
-//! beyond what `seq` restores.
+//! beyond what `seq` restores. Where the receiver's provider never raises
+//! a write's remote CQ data (verbs;ofi_rxm with a shared receive context:
+//! `device::lost_cq_data`), its `Ack` says `announce`: the sender then
+//! writes with `fi_write` and follows every write with a `Wrote`, which the
+//! provider delivers after the write's data (`FI_ORDER_SAW`, required of
+//! such a provider), so that `Wrote` alone completes the buffer.
 //!
 //! Eager: a message of at most the hub's eager limit (`WEFT_EAGER_SIZE`,
 //! capped to what the provider takes as one message: its inject size, or on

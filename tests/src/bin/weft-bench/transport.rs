@@ -192,7 +192,7 @@ impl Transport for Raw {
                         b.ptr(off),
                         size,
                         desc,
-                        tag as u64,
+                        Some(tag as u64),
                         r.peer,
                         base + off as u64,
                         key,

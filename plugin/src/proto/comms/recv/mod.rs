@@ -116,6 +116,10 @@ struct RecvState {
     lazy: bool,
     /// RDMA: large receives filled eagerly since the last write landed.
     wasted: u8,
+    /// RDMA: writes here raise no remote CQ data (the hub's `announce`),
+    /// so a buffer's `Wrote`, which the provider delivers after the write's
+    /// data, says it landed.
+    writes_announced: bool,
     /// Draws offer tickets: SipHash under a random key, of a counter.
     tickets: (std::hash::RandomState, u64),
     /// Address buffers by offset into their registration (the provider's MR
@@ -168,6 +172,7 @@ impl RecvComm {
         let peer = PeerLink::new(&seat);
         let announce_above = super::unannounced_max(&dev);
         let dev_eager_max = seat.hub.eager_max();
+        let writes_announced = path == Path::Rdma && seat.hub.announce();
         Ok(Self {
             dev,
             seat,
@@ -181,6 +186,7 @@ impl RecvComm {
                 want_due: false,
                 lazy: false,
                 wasted: 0,
+                writes_announced,
                 tickets: (std::hash::RandomState::new(), 0),
                 offsets,
                 next_idx: HashMap::new(),
@@ -593,6 +599,10 @@ impl RecvState {
                 self.settle_after_bye();
             }
             Ok(Ctrl::Wrote { slot, sub, size }) => {
+                if self.writes_announced && size > 0 {
+                    // The write's data came before its Wrote.
+                    self.on_landed(slot, sub, None);
+                }
                 if let Some(r) = self.buffer(slot, sub, "a size") {
                     if size == 0 {
                         // Nothing to write: no immediate comes.

@@ -75,6 +75,9 @@ struct SendState {
     max_credits: u32,
     /// The largest eager message the receiver takes (rdma).
     eager_max: usize,
+    /// RDMA: the receiver never sees a write's remote CQ data (its Ack
+    /// said so): writes carry none and each is followed by a `Wrote`.
+    writes_announced: bool,
     /// RDMA: the message last asked for with a [`Ctrl::Want`], `(tag,
     /// number)` (asked once, however often NCCL tries it).
     asked: Option<(i32, u32)>,
@@ -141,6 +144,7 @@ impl SendComm {
                 credits: 0,
                 max_credits: 0,
                 eager_max: 0,
+                writes_announced: false,
                 asked: None,
                 inject_max,
                 unannounced_max: 0,
@@ -590,6 +594,7 @@ impl SendState {
                 addr,
                 credits,
                 eager,
+                announce,
             }) if self.connect.takes_ack(conn) && token != 0 => {
                 if id == 0 || id >= super::super::wire::MAX_ID {
                     tracing::warn!("send comm: ignored an Ack naming comm id {id}");
@@ -609,6 +614,7 @@ impl SendState {
                 // before its receive is announced.
                 self.eager_max = (eager as usize).min(seat.hub.eager_max());
                 self.unannounced_max = eager as usize;
+                self.writes_announced = announce;
                 self.connect.connected();
                 // The first Alive confirms the connection to `accept`.
                 self.peer.send(seat.ep(), Ctrl::Alive).map_err(|e| {

@@ -132,11 +132,16 @@ impl SendComm {
         };
         // The size rides in the immediate where the hub has 8 bytes of it;
         // else (and for an empty message, which writes nothing) in a Wrote.
-        let in_imm = (size > 0 && self.seat.hub.wide()).then_some(size as u64);
+        // Where the receiver never sees immediates, the write carries none
+        // and its Wrote, which the provider delivers after the data
+        // (FI_ORDER_SAW), tells the receiver it landed.
+        let announced = st.writes_announced;
+        let in_imm = (size > 0 && !announced && self.seat.hub.wide()).then_some(size as u64);
         if size > 0 {
-            let imm = immediate(st.peer.id, (o.slot << 3) | o.sub, in_imm, o.buf.ticket);
+            let imm = (!announced)
+                .then(|| immediate(st.peer.id, (o.slot << 3) | o.sub, in_imm, o.buf.ticket));
             let ep = self.seat.ep();
-            let posted = st.peer.link.peer.send("fi_writedata", |a| {
+            let posted = st.peer.link.peer.send("a write", |a| {
                 // SAFETY: NCCL keeps `data..data+size` (checked against its
                 // registration by the caller) until the request is done,
                 // which is after the write's completion; the remote range is
@@ -169,7 +174,7 @@ impl SendComm {
         }
         st.offers.remove(at);
         st.sent.insert(tag, k.wrapping_add(1));
-        if in_imm.is_none_or(|s| s >= u64::from(NO_SIZE)) {
+        if announced || in_imm.is_none_or(|s| s >= u64::from(NO_SIZE)) {
             let wrote = Ctrl::Wrote {
                 slot: o.slot,
                 sub: o.sub,
