@@ -11,10 +11,22 @@ use crate::poll_until;
 
 /// Points the plugin (and libfabric's tcp provider) at `provider` on
 /// loopback (verbs: on its test device, [`crate::test_iface`]). Call before the first init of a process.
+///
+/// On verbs it also sets, where unset, what libfabric 2.1 needs on
+/// Soft-RoCE (docs/verbs.md): `FI_UNIVERSE_SIZE=64` (at 256 rxm's CQ
+/// exceeds rxe's `max_cqe`) and `FI_OFI_RXM_USE_SRX=1` (without a shared
+/// receive context rxm crashes when a connection closes).
 pub fn pin_to_loopback(provider: &str) {
     std::env::set_var("WEFT_PROVIDER", provider);
     std::env::set_var("WEFT_IFACE", crate::test_iface(provider));
     std::env::set_var("FI_TCP_IFACE", "lo");
+    if provider.starts_with("verbs") {
+        for (k, v) in [("FI_UNIVERSE_SIZE", "64"), ("FI_OFI_RXM_USE_SRX", "1")] {
+            if std::env::var_os(k).is_none() {
+                std::env::set_var(k, v);
+            }
+        }
+    }
 }
 
 /// [`pin_to_loopback`], plus a generous peer timeout for tests that do not

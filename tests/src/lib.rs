@@ -49,6 +49,12 @@ pub const TEST_PARAMS: &[Param] = &[
         meaning: "the providers the version matrix runs on (`verbs;ofi_rxm` inside a verbs guest: docs/verbs.md says where that stands)",
     },
     Param {
+        name: "WEFT_TEST_MATRIX_RMA_PROVIDERS",
+        default: "those of `WEFT_TEST_MATRIX_PROVIDERS`",
+        accepted: "comma-separated libfabric provider names, or empty",
+        meaning: "the providers the matrix's RMA rows run on (empty on verbs: with libfabric 2.1 the RMA core claims no device there, docs/verbs.md)",
+    },
+    Param {
         name: "WEFT_TEST_ISOLATED",
         default: "unset; set by the tests themselves",
         accepted: "`1`",
@@ -300,6 +306,7 @@ const KEPT: &[&str] = &[
     "WEFT_TEST_NCCL_HEADERS",
     "WEFT_TEST_OFFLINE",
     "WEFT_TEST_MATRIX_PROVIDERS",
+    "WEFT_TEST_MATRIX_RMA_PROVIDERS",
     ISOLATED,
     "WEFT_SOAK_SECS",
 ];
@@ -376,6 +383,31 @@ pub fn rerun_isolated() -> bool {
         out.status
     );
     true
+}
+
+/// Two tests of `f("verbs;ofi_rxm")`, `$rdma` and `$sendrecv` under each
+/// protocol, each in a process of its own. Ignored here (this machine has
+/// no RDMA device): `tools/vm/verbs-check` runs every ignored test whose
+/// name starts with `verbs_` inside a Soft-RoCE guest (`./weft test-verbs`,
+/// docs/verbs.md).
+#[macro_export]
+macro_rules! on_verbs {
+    ($f:ident: $rdma:ident, $sendrecv:ident) => {
+        #[test]
+        #[ignore = "needs an RDMA device: runs in the Soft-RoCE guests of ./weft test-verbs"]
+        fn $rdma() {
+            $crate::isolated!();
+            std::env::set_var("WEFT_PROTOCOL", "rdma");
+            $f("verbs;ofi_rxm");
+        }
+        #[test]
+        #[ignore = "needs an RDMA device: runs in the Soft-RoCE guests of ./weft test-verbs"]
+        fn $sendrecv() {
+            $crate::isolated!();
+            std::env::set_var("WEFT_PROTOCOL", "sendrecv");
+            $f("verbs;ofi_rxm");
+        }
+    };
 }
 
 /// Two tests of `f(provider)`, `$tcp` on tcp and `$shm` on shm, each in a

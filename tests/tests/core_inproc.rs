@@ -121,7 +121,16 @@ fn shm_grouped_receives() {
 #[test]
 fn tcp_truncation_is_an_error() {
     weft_tests::isolated!();
-    let ctx = init("tcp");
+    truncation_is_an_error("tcp");
+}
+
+weft_tests::on_verbs!(truncation_is_an_error: verbs_truncation_is_an_error, verbs_truncation_is_an_error_sendrecv);
+
+/// A message larger than the posted receive fails both sides (rdma: the
+/// send itself; tagged: the provider's FI_ETRUNC) with nothing written past
+/// the receive buffer, at 100 and 100 000 bytes.
+fn truncation_is_an_error(provider: &str) {
+    let ctx = init(provider);
     let (s, r) = pair(ctx);
     for len in [100_000usize, 100] {
         let src = pattern(1, 5, len);
@@ -826,3 +835,37 @@ fn shm_typed_api() {
     weft_tests::isolated!();
     typed_api("shm");
 }
+
+/// On an RDMA device a registration pins its pages: the kernel counts them
+/// in the process's `VmPin` (what `WEFT_TEST_MR_MODE` cannot emulate on
+/// tcp and shm, where nothing is pinned). A send and a receive through the
+/// registered memory then carry every byte.
+fn registrations_pin_their_pages(provider: &str) {
+    const LEN: usize = 32 << 20;
+    let ctx = init(provider);
+    let (s, r) = pair(ctx);
+    let src = pattern(3, 9, LEN);
+    let mut dst = vec![0u8; LEN];
+    let before = weft_tests::status_kb("VmPin");
+    let smh = reg(s, &src);
+    let rmh = reg(r, &dst);
+    let pinned = weft_tests::status_kb("VmPin");
+    assert!(
+        pinned >= before + 2 * (LEN as u64 / 1024),
+        "{provider}: two registrations of {LEN} bytes, but VmPin went from {before} to {pinned} kB"
+    );
+    let rq = irecv(r, &mut [&mut dst[..]], &[9], &[rmh]);
+    let sq = weft_tests::poll_until("the send to be posted", || {
+        isend_raw(s, src.as_ptr() as *mut _, LEN, 9, smh, std::ptr::null_mut()).expect("isend")
+    });
+    wait2(sq, rq);
+    assert!(dst == src, "{provider}: the received bytes differ");
+    println!(
+        "{provider}: VmPin {before} -> {pinned} kB for two registrations of {} MiB",
+        LEN >> 20
+    );
+    core::dereg_mr(s, smh).unwrap();
+    core::dereg_mr(r, rmh).unwrap();
+    close_pair(s, r);
+}
+weft_tests::on_verbs!(registrations_pin_their_pages: verbs_registrations_pin_their_pages, verbs_registrations_pin_their_pages_sendrecv);

@@ -47,6 +47,11 @@ fn connect_to_dead_listener(provider: &str, how: &str) {
     println!("{provider}: connect to a {how} listener failed after {took:?}: {err}");
 }
 
+fn verbs_dead_listener(provider: &str) {
+    connect_to_dead_listener(provider, "killed");
+}
+weft_tests::on_verbs!(verbs_dead_listener: verbs_connect_to_dead_listener_fails, verbs_connect_to_dead_listener_fails_sendrecv);
+
 #[test]
 fn tcp_connect_to_dead_listener_fails() {
     weft_tests::isolated!();
@@ -192,16 +197,28 @@ fn dead_peer_mid_transfer(provider: &str) {
         "{provider}: a WARN names the dead peer and why: {warns:?}"
     );
     println!("{provider}: {}", warns[0].text);
-    let err = host::isend_raw(
-        s,
-        out.as_ptr() as *mut c_void,
-        8,
-        5,
-        smh,
-        std::ptr::null_mut(),
-    )
-    .expect_err("a comm to a dead peer takes no new sends");
+    // The send comm judges its peer by what it heard itself (the peer's
+    // Alives to it), so its verdict may come up to a heartbeat after the
+    // receive comm's: on tcp the broken connection says so at once, on
+    // verbs rxm only says "try again" meanwhile. Within the same bound, it
+    // refuses new sends.
+    let err = weft_tests::poll_until("the send comm to refuse new sends", || {
+        host::isend_raw(
+            s,
+            out.as_ptr() as *mut c_void,
+            8,
+            5,
+            smh,
+            std::ptr::null_mut(),
+        )
+        .err()
+    });
     assert_eq!(err.code, core::Code::Remote, "{err}");
+    assert!(
+        killed.elapsed() < Duration::from_secs(2 * T + 3),
+        "{provider}: new sends refused only {:?} after the peer was killed",
+        killed.elapsed()
+    );
     core::dereg_mr(s, smh).unwrap();
     core::dereg_mr(r, rmh).unwrap();
     host::close_pair(s, r);
@@ -644,3 +661,6 @@ fn a_received_send_is_done_after_its_receiver_exited(provider: &str) {
 }
 
 weft_tests::each!(a_received_send_is_done_after_its_receiver_exited: tcp_rdma, tcp_sendrecv);
+
+weft_tests::on_verbs!(dead_peer_mid_transfer: verbs_dead_peer_fails_requests_in_flight, verbs_dead_peer_fails_requests_in_flight_sendrecv);
+weft_tests::on_verbs!(accept_from_dead_connector: verbs_accept_from_dead_connector_fails, verbs_accept_from_dead_connector_fails_sendrecv);

@@ -186,3 +186,12 @@ fn tcp_two_processes_announced_writes() {
     std::env::set_var("WEFT_TEST_ANNOUNCE_WRITES", "1");
     with_protocol("rdma", "tcp");
 }
+
+/// Both protocols on verbs;ofi_rxm over Soft-RoCE (a guest of ./weft
+/// test-verbs): the peer is another process on the same rxe device.
+fn verbs(provider: &str) {
+    let protocol = std::env::var("WEFT_PROTOCOL").expect("set by on_verbs!");
+    both_directions(provider);
+    assert_eq!(core::protocol_name().unwrap(), protocol);
+}
+weft_tests::on_verbs!(verbs: verbs_two_processes, verbs_two_processes_sendrecv);
