@@ -141,6 +141,29 @@ impl Cluster {
         )
     }
 
+    /// Puts the kernel's netem on what host `h` sends on rail `r` (`tc qdisc
+    /// replace ... netem` with `args`, e.g. `loss 1%` or `delay 10ms 5ms`).
+    /// Only where the kernel has `sch_netem` (the verbs guests of `./weft
+    /// test-verbs` do; this machine's kernel does not, hence [`Self::wire`]).
+    pub fn netem(&self, h: usize, r: usize, args: &[&str]) -> Result<(), String> {
+        run(
+            self.command(h, "tc")
+                .args(["qdisc", "replace", "dev", &format!("r{r}"), "root", "netem"])
+                .args(args),
+            &format!("tc qdisc ... netem {} on host {h} rail {r}", args.join(" ")),
+            "",
+        )
+    }
+
+    /// What the qdisc of host `h`'s rail `r` reports (`tc -s qdisc show`).
+    pub fn qdisc_stats(&self, h: usize, r: usize) -> String {
+        self.command(h, "tc")
+            .args(["-s", "qdisc", "show", "dev", &format!("r{r}")])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_else(|e| format!("tc: {e}"))
+    }
+
     /// Packets the queue of host `h`'s rail `r` dropped so far.
     pub fn drops(&self, h: usize, r: usize) -> Result<u64, String> {
         let out = self

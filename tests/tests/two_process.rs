@@ -12,11 +12,30 @@ fn both_directions(provider: &str) {
     let mut peer = Peer::spawn(PEER);
     peer.cmd(&format!("init {provider}"));
     let ctx = host::init(provider);
+    exchange(
+        &mut peer,
+        ctx,
+        provider,
+        &[(64, 0), (200, 1000), (40, 1 << 20)],
+        (300, 4000),
+    );
+    peer.quit();
+}
 
+/// A send and a receive comm to `peer`: `count` messages of `size` bytes
+/// this process -> peer for each of `to_peer`, then `from_peer` the other
+/// way, every byte checked; both comms closed. `what` names the case.
+fn exchange(
+    peer: &mut Peer,
+    ctx: *mut std::ffi::c_void,
+    what: &str,
+    to_peer: &[(u64, usize)],
+    from_peer: (u64, usize),
+) {
     let (s, r) = peer.pair(ctx);
 
     // This process -> peer.
-    for (count, size) in [(64u64, 0usize), (200, 1000), (40, 1 << 20)] {
+    for &(count, size) in to_peer {
         peer.start(&format!("recv {count} {size} 7"));
         let msgs: Vec<Vec<u8>> = (0..count).map(|i| pattern(i, 7, size + 1)).collect();
         let mhs: Vec<_> = msgs.iter().map(|m| host::reg(s, m)).collect();
@@ -33,7 +52,7 @@ fn both_directions(provider: &str) {
         assert_eq!(
             peer.reply(),
             format!("ok {}", count * size as u64),
-            "{provider}: {count} x {size} B"
+            "{what}: {count} x {size} B"
         );
         for mh in mhs {
             core::dereg_mr(s, mh).unwrap();
@@ -41,7 +60,7 @@ fn both_directions(provider: &str) {
     }
 
     // Peer -> this process.
-    let (count, size) = (300u64, 4000usize);
+    let (count, size) = from_peer;
     peer.start(&format!("send {count} {size} 11"));
     let mut buf = vec![0u8; size];
     let mh = host::reg(r, &buf);
@@ -51,14 +70,13 @@ fn both_directions(provider: &str) {
         assert_eq!(d.sizes[0], size);
         assert!(
             buf == pattern(seq, 11, size),
-            "{provider}: message {seq} differs"
+            "{what}: message {seq} differs"
         );
     }
     assert_eq!(peer.reply(), format!("ok {}", count * size as u64));
     core::dereg_mr(r, mh).unwrap();
     core::close_send(s).unwrap();
     core::close_recv(r).unwrap();
-    peer.quit();
 }
 
 /// Every test runs under `protocol` (the peer inherits the environment).
