@@ -33,6 +33,28 @@ impl FiError {
     }
 }
 
+/// Whether an operation that completed with error `err` says its
+/// connection to the peer is gone, so that nothing more can go over it: a
+/// reset, refused, aborted or shut down connection, an unreachable peer or
+/// network, a timeout, or `FI_ECANCELED` on an operation Weft did not cancel
+/// (verbs flushes every work request of a queue pair whose transport
+/// retries ran out, and rxm reports each as cancelled).
+pub fn breaks_connection(err: u32) -> bool {
+    [
+        fi::FI_ECANCELED,
+        fi::FI_ECONNRESET,
+        fi::FI_ECONNABORTED,
+        fi::FI_ECONNREFUSED,
+        fi::FI_ENOTCONN,
+        fi::FI_ESHUTDOWN,
+        fi::FI_ETIMEDOUT,
+        fi::FI_EHOSTUNREACH,
+        fi::FI_ENETUNREACH,
+        fi::FI_ENETDOWN,
+    ]
+    .contains(&err)
+}
+
 /// `fi_strerror` as an owned string.
 pub fn strerror(code: u32) -> String {
     let code = i32::try_from(code).unwrap_or(i32::MAX);

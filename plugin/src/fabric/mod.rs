@@ -21,7 +21,7 @@ pub use av::FiAddr;
 pub use cq::{is_remote_write, Completion, CompletionError, Cq, CqError};
 pub use domain::{Domain, DomainOptions};
 pub use ep::Endpoint;
-pub use error::{strerror, FiError};
+pub use error::{breaks_connection, strerror, FiError};
 pub use info::{Hints, InfoList, InfoRef, OwnedInfo};
 pub use mr::{Mr, ACCESS_ALL};
 

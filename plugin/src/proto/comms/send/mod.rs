@@ -423,21 +423,37 @@ impl Side for SendState {
                 Ev::Failed(EAGER_LOCAL, e) => {
                     // Its send was reported done, and its receive waits for
                     // it: the comm cannot go on.
-                    die(
-                        self,
-                        format!("an eager message to the peer failed in the provider: {e}"),
-                    );
+                    let why = if crate::fabric::breaks_connection(e.err) {
+                        format!(
+                            "the provider reports the connection to the peer broken (an eager message failed: {e})"
+                        )
+                    } else {
+                        format!("an eager message to the peer failed in the provider: {e}")
+                    };
+                    die(self, why);
                 }
                 Ev::Failed(local, e) => {
                     tracing::warn!("send comm to {}: a send failed: {e}", self.peer.link.name);
+                    // A provider that says the connection is gone fails
+                    // this send and every other as a dead peer (0: the
+                    // comm's death is the error).
+                    let broken = crate::fabric::breaks_connection(e.err);
                     let mut tell = None;
                     if let Some(r) = self.reqs.get_mut(local).filter(|r| !r.done) {
                         r.done = true;
-                        r.err = Some(e.err.max(1));
+                        r.err = Some(if broken { 0 } else { e.err.max(1) });
                         tell = r.dst;
                     }
-                    // The receive it wrote for would wait forever: it fails too.
-                    if let Some((slot, sub)) = tell {
+                    if broken {
+                        die(
+                            self,
+                            format!(
+                                "the provider reports the connection to the peer broken (a send failed: {e})"
+                            ),
+                        );
+                    } else if let Some((slot, sub)) = tell {
+                        // The receive it wrote for would wait forever: it
+                        // fails too.
                         let msg = Ctrl::Failed {
                             slot,
                             sub,
