@@ -20,12 +20,22 @@ pub fn pin_to_loopback(provider: &str) {
     std::env::set_var("WEFT_PROVIDER", provider);
     std::env::set_var("WEFT_IFACE", crate::test_iface(provider));
     std::env::set_var("FI_TCP_IFACE", "lo");
-    if provider.starts_with("verbs") {
-        for (k, v) in [("FI_UNIVERSE_SIZE", "64"), ("FI_OFI_RXM_USE_SRX", "1")] {
-            if std::env::var_os(k).is_none() {
-                std::env::set_var(k, v);
-            }
+    for (k, v) in verbs_defaults(provider) {
+        if std::env::var_os(k).is_none() {
+            std::env::set_var(k, v);
         }
+    }
+}
+
+/// What the tests set for `provider` where the environment does not: on
+/// verbs (Soft-RoCE, docs/verbs.md) a universe rxe's CQs can hold and
+/// rxm's shared receive context (libfabric 2.1's rxm crashes at close
+/// without it); nothing for the other providers.
+pub fn verbs_defaults(provider: &str) -> &'static [(&'static str, &'static str)] {
+    if provider.starts_with("verbs") {
+        &[("FI_UNIVERSE_SIZE", "64"), ("FI_OFI_RXM_USE_SRX", "1")]
+    } else {
+        &[]
     }
 }
 

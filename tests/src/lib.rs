@@ -52,7 +52,13 @@ pub const TEST_PARAMS: &[Param] = &[
         name: "WEFT_TEST_MATRIX_RMA_PROVIDERS",
         default: "those of `WEFT_TEST_MATRIX_PROVIDERS`",
         accepted: "comma-separated libfabric provider names, or empty",
-        meaning: "the providers the matrix's RMA rows run on (empty on verbs: with libfabric 2.1 the RMA core claims no device there, docs/verbs.md)",
+        meaning: "the providers the matrix's RMA rows run on (empty: none)",
+    },
+    Param {
+        name: "WEFT_TEST_REMOTE_PEER",
+        default: "unset; set by tools/vm/verbs-check",
+        accepted: "`host:port`",
+        meaning: "where `tools/vm/remote-peer` serves `weft-peer`s in the other verbs guest, for the tests between the two guests' kernels (`cluster::across_guests_*`, docs/verbs.md)",
     },
     Param {
         name: "WEFT_TEST_ISOLATED",
@@ -307,6 +313,7 @@ const KEPT: &[&str] = &[
     "WEFT_TEST_OFFLINE",
     "WEFT_TEST_MATRIX_PROVIDERS",
     "WEFT_TEST_MATRIX_RMA_PROVIDERS",
+    "WEFT_TEST_REMOTE_PEER",
     ISOLATED,
     "WEFT_SOAK_SECS",
 ];

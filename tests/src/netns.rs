@@ -141,27 +141,17 @@ impl Cluster {
         )
     }
 
-    /// Puts the kernel's netem on what host `h` sends on rail `r` (`tc qdisc
-    /// replace ... netem` with `args`, e.g. `loss 1%` or `delay 10ms 5ms`).
+    /// Puts the kernel's netem on what host `h` sends on rail `r` ([`netem`]).
     /// Only where the kernel has `sch_netem` (the verbs guests of `./weft
     /// test-verbs` do; this machine's kernel does not, hence [`Self::wire`]).
     pub fn netem(&self, h: usize, r: usize, args: &[&str]) -> Result<(), String> {
-        run(
-            self.command(h, "tc")
-                .args(["qdisc", "replace", "dev", &format!("r{r}"), "root", "netem"])
-                .args(args),
-            &format!("tc qdisc ... netem {} on host {h} rail {r}", args.join(" ")),
-            "",
-        )
+        netem(|| self.command(h, "tc"), &format!("r{r}"), args)
+            .map_err(|e| format!("host {h}: {e}"))
     }
 
-    /// What the qdisc of host `h`'s rail `r` reports (`tc -s qdisc show`).
+    /// What the qdisc of host `h`'s rail `r` reports ([`qdisc_stats`]).
     pub fn qdisc_stats(&self, h: usize, r: usize) -> String {
-        self.command(h, "tc")
-            .args(["-s", "qdisc", "show", "dev", &format!("r{r}")])
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_else(|e| format!("tc: {e}"))
+        qdisc_stats(self.command(h, "tc"), &format!("r{r}"))
     }
 
     /// Packets the queue of host `h`'s rail `r` dropped so far.
@@ -274,4 +264,28 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         self.teardown();
     }
+}
+
+/// Puts the kernel's netem on what interface `dev` sends, as `args` say
+/// alone (`tc qdisc del`, then `tc qdisc add dev DEV root netem ARGS`, e.g.
+/// `loss 1%` or `delay 10ms 5ms`: a `replace` would keep the options of
+/// the netem before), with `tc()` as the command (`tc`, or `ip netns exec
+/// NS tc` for a host of a [`Cluster`]).
+pub fn netem(tc: impl Fn() -> Command, dev: &str, args: &[&str]) -> Result<(), String> {
+    let _ = tc().args(["qdisc", "del", "dev", dev, "root"]).output();
+    run(
+        tc().args(["qdisc", "add", "dev", dev, "root", "netem"])
+            .args(args),
+        &format!("tc qdisc add ... netem {} on {dev}", args.join(" ")),
+        "",
+    )
+}
+
+/// What the qdiscs of interface `dev` report (`tc -s qdisc show`), run by
+/// `tc` as for [`netem`].
+pub fn qdisc_stats(mut tc: Command, dev: &str) -> String {
+    tc.args(["-s", "qdisc", "show", "dev", dev])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_else(|e| format!("tc: {e}"))
 }

@@ -34,6 +34,25 @@ impl Peer {
         }
     }
 
+    /// A `weft-peer` in another kernel (the other guest of `./weft
+    /// test-verbs`), served by `tools/vm/remote-peer` at `addr` (`host:port`):
+    /// its stdin and stdout are a TCP connection through `busybox nc`, and
+    /// the first line it reads is its environment, `env` (`WEFT_*` and `FI_*`
+    /// only). Its stderr goes to a log in that guest.
+    pub fn remote(addr: &str, env: &[(&str, &str)]) -> Self {
+        let (host, port) = addr
+            .rsplit_once(':')
+            .unwrap_or_else(|| panic!("a remote peer is host:port, not {addr:?}"));
+        let mut p = Self::spawn_with({
+            let mut nc = Command::new("busybox");
+            nc.args(["nc", host, port]);
+            nc
+        });
+        let line: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        p.start(&line.join(" "));
+        p
+    }
+
     /// Sends one command and returns the peer's answer (panics on `error`).
     pub fn cmd(&mut self, line: &str) -> String {
         writeln!(self.stdin, "{line}").expect("write to peer");

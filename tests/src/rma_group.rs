@@ -48,6 +48,11 @@ pub fn spawn(
         .env("NCCL_DEBUG", "INFO")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    for &(k, v) in crate::host::verbs_defaults(provider) {
+        if std::env::var_os(k).is_none() {
+            c.env(k, v);
+        }
+    }
     for (k, v) in env {
         c.env(k, v);
     }

@@ -63,6 +63,34 @@ fn four_ranks_on_tcp_and_shm() {
     }
 }
 
+/// Puts with announced writes, as on verbs;ofi_rxm with a shared receive
+/// context (`WEFT_TEST_ANNOUNCE_WRITES`: the provider behaves as if it lost
+/// a write's remote CQ data): every put is a plain `fi_write`, nothing is
+/// counted at the target, and each signal is applied as it arrives, since
+/// tcp;ofi_rxm delivers it after the writes issued before it (9 MiB puts:
+/// two writes each). The full
+/// scenario checks every put's data the moment its signal shows, so a
+/// signal that overtook its puts fails the rank.
+#[test]
+fn announced_writes_three_ranks_on_tcp() {
+    weft_tests::isolated!();
+    let env = [("MAX_PUT", "9437184"), ("WEFT_TEST_ANNOUNCE_WRITES", "1")];
+    for (r, o) in rma_group::run(RANK, 16, 3, "tcp", &env, "full")
+        .into_iter()
+        .enumerate()
+    {
+        assert!(o.ok, "rank {r}:\n{}\n{}", o.stdout, o.stderr);
+        let lacks = full_lacks(&o.stdout, 9 << 20, true);
+        assert!(lacks.is_empty(), "rank {r} lacks {lacks:?}:\n{}", o.stdout);
+        assert!(
+            o.stderr
+                .contains("puts to 3 rank(s) as fi_write without CQ data"),
+            "rank {r} did not say its puts are plain writes:\n{}",
+            o.stderr
+        );
+    }
+}
+
 /// A rank that dies after connecting: the other's requests to it fail
 /// within WEFT_PEER_TIMEOUT (here 3 s), its puts to itself go on, and
 /// later puts to the dead rank fail at once.

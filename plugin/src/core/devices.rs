@@ -192,9 +192,12 @@ pub fn rma_memory(dev: usize) -> Result<std::result::Result<(), String>> {
         Err("no GPU memory registration (NCCL_PTR_CUDA not claimed; the device's INFO line says why)".to_owned())
     } else if d.domain.info().caps() & u64::from(libfabric_sys::FI_RMA) == 0 {
         Err("the device was opened without FI_RMA (the sendrecv protocol)".to_owned())
-    } else if let Some(why) = d.dev.rma.cq_data_lost {
-        // Puts are told to their target by their remote CQ data alone.
-        Err(format!("puts need a write's remote CQ data at the target, but {why}"))
+    } else if let Some(why) = d.dev.rma.cq_data_lost.filter(|_| !d.dev.rma.send_after_write) {
+        // Without CQ data a target learns of puts only from a signal that
+        // arrives after them.
+        Err(format!(
+            "puts need a write's remote CQ data at the target, or a provider that orders a message after a write (FI_ORDER_SAW), but {why} and it does not"
+        ))
     } else {
         Ok(())
     })

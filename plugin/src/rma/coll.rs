@@ -19,7 +19,13 @@
 //! sender have landed, and applies one sender's signals in the order they
 //! came. So a signal is never seen before the puts issued before it,
 //! whatever order the fabric delivers writes and messages in (tcp and shm
-//! give no write-before-message ordering). This is NCCL's *strong* signal;
+//! give no write-before-message ordering). Where the target's provider
+//! loses a write's remote CQ data (verbs;ofi_rxm with a shared receive
+//! context) it says so in its `Hello`: puts to it are plain `fi_write`s,
+//! nothing is counted there, and its signals wait for no count, because
+//! such a device claims RMA only where the provider delivers a message
+//! after the writes issued before it on the same connection
+//! (`FI_ORDER_SAW`), and signals and puts share the hub's active endpoint. This is NCCL's *strong* signal;
 //! weak signals get the same guarantee. **Gets** are `fi_read`. A put, get
 //! or signal the provider cannot take now (`FI_EAGAIN`) waits in its peer's
 //! queue and is posted at the next progress, in order: back-pressure is
@@ -216,6 +222,9 @@ struct Rank {
     /// The rank's id for what this rank sends it, and its token.
     their_id: u32,
     their_token: u32,
+    /// The rank's provider loses a write's remote CQ data (its `Hello`
+    /// said so): writes to it carry none.
+    announced: bool,
     /// Writes issued to the rank (posted or queued).
     issued: u64,
     /// The rank's writes landed here and its signals not yet applied.
@@ -258,6 +267,12 @@ pub struct Coll {
     nranks: u32,
     token: u32,
     virt: bool,
+    /// This rank's provider loses a write's remote CQ data
+    /// (`Rma::cq_data_lost`), so no write is counted here: a signal waits
+    /// for no count, since it arrives after the writes its sender issued
+    /// before it (the provider orders a message after a write,
+    /// FI_ORDER_SAW, or the device would claim no RMA).
+    announce: bool,
     st: Mutex<State>,
     /// Operations posted (for the log at close).
     posted: AtomicU64,
@@ -308,6 +323,7 @@ impl Coll {
                 inbox,
                 their_id: 0,
                 their_token: 0,
+                announced: false,
                 issued: 0,
                 arrivals: Arrivals::default(),
                 queue: VecDeque::new(),
@@ -322,6 +338,7 @@ impl Coll {
             serial,
             dev: Arc::clone(&l.dev),
             virt: l.dev.virt_addr(),
+            announce: l.dev.dev.rma.cq_data_lost.is_some(),
             hub,
             rank,
             nranks,
@@ -343,7 +360,7 @@ impl Coll {
 
     fn hello(&self, handles: &[Handle], l: &Listener) -> Result<()> {
         let mut unsent: Vec<usize> = (0..handles.len()).collect();
-        let mut heard: Vec<Option<(u32, u32)>> = vec![None; handles.len()];
+        let mut heard: Vec<Option<(u32, u32, bool)>> = vec![None; handles.len()];
         let mut mail = Mail::default();
         let deadline = Instant::now() + self.dev.peer_timeout;
         loop {
@@ -358,6 +375,7 @@ impl Coll {
                         nranks: self.nranks,
                         id: st.ranks[p].id,
                         token: self.token,
+                        announce: self.announce,
                     };
                     let (b, n) = framed(handles[p].id, self.token, &msg);
                     match st.ranks[p].peer.send("fi_inject", |a| ep.inject(&b[..n], a)) {
@@ -379,10 +397,10 @@ impl Coll {
             let _ = mail.drain(|ev, bytes| -> Result<()> {
                 if let Ev::Ctrl { .. } = ev {
                     match Msg::decode(bytes) {
-                        Ok(Msg::Hello { secret, rank, nranks, id, token })
+                        Ok(Msg::Hello { secret, rank, nranks, id, token, announce })
                             if secret == l.secret && nranks == self.nranks && rank < nranks && token != 0 =>
                         {
-                            heard[rank as usize].get_or_insert((id, token));
+                            heard[rank as usize].get_or_insert((id, token, announce));
                         }
                         other => tracing::warn!(
                             "RMA connect: dropped a message to the listener that is no Hello of this group: {other:?}"
@@ -415,10 +433,20 @@ impl Coll {
         }
         let mut st = lock(&self.st);
         for (r, h) in st.ranks.iter_mut().zip(heard) {
-            let (id, token) = h.expect("all heard");
+            let (id, token, announced) = h.expect("all heard");
             r.their_id = id;
             r.their_token = token;
+            r.announced = announced;
             r.inbox.expect(token);
+        }
+        let plain = st.ranks.iter().filter(|r| r.announced).count();
+        if plain > 0 || self.announce {
+            tracing::info!(
+                "RMA connect (rank {} of {}): puts to {plain} rank(s) as fi_write without CQ data (their provider loses it; each signal follows its puts on the same connection, FI_ORDER_SAW){}",
+                self.rank,
+                self.nranks,
+                if self.announce { "; signals here wait for no count of writes" } else { "" }
+            );
         }
         Ok(())
     }
@@ -632,10 +660,10 @@ impl Coll {
         let ctx = ((u64::from(r.id) << 32) | u64::from(local)) as usize as *mut std::ffi::c_void;
         let res = match *w {
             Work::Write { src, len, desc, raddr, key } => {
-                let imm = (u64::from(r.their_id) << 8) | IMM_TAG;
+                let imm = (!r.announced).then_some((u64::from(r.their_id) << 8) | IMM_TAG);
                 // SAFETY: NCCL's registered source, unchanged until the request
                 // completes (iput's contract); the target range was checked.
-                r.peer.send("fi_writedata", |a| unsafe { ep.writedata(src, len, desc, Some(imm), a, raddr, key, ctx) })
+                r.peer.send("fi_writedata", |a| unsafe { ep.writedata(src, len, desc, imm, a, raddr, key, ctx) })
             }
             Work::Read { dst, len, desc, raddr, key } => {
                 // SAFETY: NCCL's registered destination, untouched until the
@@ -683,6 +711,7 @@ impl Coll {
             st.scanned = now;
         }
         let State { ranks, regs, keys, mail, last_error, .. } = st;
+        let announce = self.announce;
         for (p, r) in ranks.iter_mut().enumerate() {
             // What waits, in order, until the provider says "later".
             while let Some((w, req)) = r.queue.pop_front() {
@@ -728,7 +757,8 @@ impl Coll {
                         // A rank declared dead applies nothing more here.
                         Ok(Msg::Signal { .. }) if r.dead.is_some() => r.strangers += 1,
                         Ok(Msg::Signal { puts, seq, off, value }) => {
-                            r.arrivals.signal(Signal { after: puts, seq, off, value }, now)
+                            let after = if announce { 0 } else { puts };
+                            r.arrivals.signal(Signal { after, seq, off, value }, now)
                         }
                         Ok(Msg::Key { seq, addr, len, key, base }) => {
                             let k = keys.entry(seq).or_insert_with(|| vec![None; nranks]);

@@ -110,7 +110,7 @@ pub fn devices() -> Result<usize> {
         } else {
             tracing::info!(
                 target: "weft::init",
-                "RMA: {count} device(s) of {n} (puts as fi_writedata, signals applied in order at the target, gets as fi_read){}",
+                "RMA: {count} device(s) of {n} (puts as fi_writedata, or fi_write to a target whose provider loses CQ data; signals applied in order at the target; gets as fi_read){}",
                 if why.is_empty() { String::new() } else { format!("; not: {}", why.join("; ")) }
             );
         }

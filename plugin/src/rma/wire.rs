@@ -50,6 +50,9 @@ pub enum WireError {
     /// An unknown message kind.
     #[error("unknown message kind {0}")]
     Kind(u8),
+    /// Flags this version does not know.
+    #[error("unknown flags {0:#x}")]
+    Flags(u32),
 }
 
 impl Handle {
@@ -102,6 +105,10 @@ pub enum Msg {
         id: u32,
         /// The token on everything the sender sends.
         token: u32,
+        /// The sender's provider loses a write's remote CQ data: write to
+        /// it without any, and its signals wait for no count (a signal sent
+        /// after a write arrives after its data: FI_ORDER_SAW).
+        announce: bool,
     },
     /// During `regMrSym`: the sender's registration number `seq` of the
     /// collComm is `len` bytes at `addr`, remote key `key`, its
@@ -135,6 +142,8 @@ pub enum Msg {
 const HELLO: u8 = 1;
 const KEY: u8 = 2;
 const SIGNAL: u8 = 3;
+/// `Hello`'s flag: the sender loses a write's remote CQ data.
+const ANNOUNCE: u32 = 1;
 
 /// The largest encoded message.
 pub const MSG_MAX: usize = 5 + 8 * 4 + 4;
@@ -167,6 +176,11 @@ impl Msg {
                 nranks: r.u32()?,
                 id: r.u32()?,
                 token: r.u32()?,
+                announce: match r.u32()? {
+                    0 => false,
+                    ANNOUNCE => true,
+                    f => return Err(WireError::Flags(f)),
+                },
             },
             KEY => Msg::Key {
                 seq: r.u32()?,
@@ -195,6 +209,7 @@ fn out_kind(w: &mut Writer<'_>, m: &Msg) {
             nranks,
             id,
             token,
+            announce,
         } => {
             w.b[4] = HELLO;
             w.u64(secret);
@@ -202,6 +217,7 @@ fn out_kind(w: &mut Writer<'_>, m: &Msg) {
             w.u32(nranks);
             w.u32(id);
             w.u32(token);
+            w.u32(if announce { ANNOUNCE } else { 0 });
         }
         Msg::Key {
             seq,
@@ -283,6 +299,15 @@ mod tests {
                 nranks: 4,
                 id: 0xAB_CDEF,
                 token: 77,
+                announce: false,
+            },
+            Msg::Hello {
+                secret: 1,
+                rank: 0,
+                nranks: 2,
+                id: 4,
+                token: 9,
+                announce: true,
             },
             Msg::Key {
                 seq: 9,
@@ -307,7 +332,10 @@ mod tests {
             }
         }
         let mut b = [0u8; MSG_MAX];
-        let n = msgs[2].encode(&mut b);
+        let n = msgs[0].encode(&mut b);
+        b[n - 4] = 2;
+        assert_eq!(Msg::decode(&b[..n]), Err(WireError::Flags(2)));
+        let n = msgs[3].encode(&mut b);
         b[4] = 99;
         assert_eq!(Msg::decode(&b[..n]), Err(WireError::Kind(99)));
         b[0] = b'X';

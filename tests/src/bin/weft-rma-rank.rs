@@ -78,7 +78,9 @@ macro_rules! common {
         // pointers this program passes, as NCCL would pass them.
         let mut a = unsafe {
             Api {
-                init: Box::new(|c| t.init.unwrap()(c, 7, None)),
+                init: Box::new(|c| {
+                    t.init.unwrap()(c, 7, Some(weft_tests::capture::weft_test_stderr_logger))
+                }),
                 devices: Box::new(|n| t.devices.unwrap()(n)),
                 net_device_type: Box::new(|d| {
                     let mut p: v::$props = std::mem::zeroed();
