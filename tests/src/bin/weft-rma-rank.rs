@@ -434,6 +434,12 @@ fn main() {
 /// Signals: NCCL's (nranks+1) x 8 B, CUDA, FORCE_SO | NEVER_RESET.
 fn signals(r: &Rank) -> (*mut u8, P) {
     let sig = cuda_alloc((r.n as usize + 1) * 8);
+    // cuMemAlloc does not zero (nor does the fake driver: whatever the heap
+    // held is there), and NCCL clears its signals before use: so must this,
+    // or a stale value reads as a signal already applied.
+    // SAFETY: (n + 1) * 8 bytes just allocated; the fake driver's device
+    // memory is host memory; nothing else uses it yet.
+    unsafe { std::ptr::write_bytes(sig, 0, (r.n as usize + 1) * 8) };
     let mut mh = null_mut();
     check(
         "regMrSym (signals)",
