@@ -94,6 +94,13 @@ impl Rma {
             && self.cq_data_size >= 4
             && (self.cq_data_lost.is_none() || self.send_after_write)
     }
+
+    /// Whether writes to this device are announced: they carry no remote
+    /// CQ data (it would be lost), and the target learns of each from a
+    /// message the provider delivers after it.
+    pub fn writes_announced(&self) -> bool {
+        self.cq_data_lost.is_some()
+    }
 }
 
 /// Where `provider` advertises remote CQ data that a target never sees,

@@ -272,13 +272,19 @@ impl Drop for Cluster {
 /// the netem before), with `tc()` as the command (`tc`, or `ip netns exec
 /// NS tc` for a host of a [`Cluster`]).
 pub fn netem(tc: impl Fn() -> Command, dev: &str, args: &[&str]) -> Result<(), String> {
-    let _ = tc().args(["qdisc", "del", "dev", dev, "root"]).output();
+    clear_qdisc(tc(), dev);
     run(
         tc().args(["qdisc", "add", "dev", dev, "root", "netem"])
             .args(args),
         &format!("tc qdisc add ... netem {} on {dev}", args.join(" ")),
         "",
     )
+}
+
+/// Removes interface `dev`'s root qdisc (netem's), if it has one; run by
+/// `tc` as for [`netem`].
+pub fn clear_qdisc(mut tc: Command, dev: &str) {
+    let _ = tc.args(["qdisc", "del", "dev", dev, "root"]).output();
 }
 
 /// What the qdiscs of interface `dev` report (`tc -s qdisc show`), run by

@@ -86,6 +86,10 @@ pub fn run(
         .collect()
 }
 
+/// What a rank logs at `connect` when its puts go as plain writes (its
+/// targets' providers lose a write's CQ data: announced writes).
+pub const PLAIN_WRITES: &str = "as fi_write without CQ data";
+
 /// A fresh directory for a group's handles.
 pub fn tempdir() -> std::path::PathBuf {
     use std::hash::{BuildHasher, RandomState};

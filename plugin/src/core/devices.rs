@@ -192,11 +192,12 @@ pub fn rma_memory(dev: usize) -> Result<std::result::Result<(), String>> {
         Err("no GPU memory registration (NCCL_PTR_CUDA not claimed; the device's INFO line says why)".to_owned())
     } else if d.domain.info().caps() & u64::from(libfabric_sys::FI_RMA) == 0 {
         Err("the device was opened without FI_RMA (the sendrecv protocol)".to_owned())
-    } else if let Some(why) = d.dev.rma.cq_data_lost.filter(|_| !d.dev.rma.send_after_write) {
-        // Without CQ data a target learns of puts only from a signal that
-        // arrives after them.
+    } else if !d.dev.rma.qualifies() {
+        // The rdma protocol's own rule: a target learns of a put from its
+        // CQ data, or from a signal the provider orders after it.
         Err(format!(
-            "puts need a write's remote CQ data at the target, or a provider that orders a message after a write (FI_ORDER_SAW), but {why} and it does not"
+            "puts need a write's remote CQ data at the target, or a message ordered after a write (FI_ORDER_SAW): {}",
+            d.dev.rma.cq_data_lost.unwrap_or("the provider offers neither")
         ))
     } else {
         Ok(())

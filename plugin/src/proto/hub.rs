@@ -384,7 +384,7 @@ impl Hub {
             // carried only 4 bytes of immediate (EFA, verbs), so every size
             // travels in a `Wrote`.
             wide: dev.dev.rma.cq_data_size >= 8 && !dev.dev.test.narrow_imm,
-            announce: dev.dev.rma.cq_data_lost.is_some(),
+            announce: dev.dev.rma.writes_announced(),
             eager_max,
             inject_max: dev.dev.inject_size,
             sources: dev.domain.info().caps() & fi::FI_SOURCE != 0,

@@ -25,8 +25,8 @@
 //! nothing is counted there, and its signals wait for no count, because
 //! such a device claims RMA only where the provider delivers a message
 //! after the writes issued before it on the same connection
-//! (`FI_ORDER_SAW`), and signals and puts share the hub's active endpoint. This is NCCL's *strong* signal;
-//! weak signals get the same guarantee. **Gets** are `fi_read`. A put, get
+//! (`FI_ORDER_SAW`), and signals and puts share the hub's active endpoint.
+//! This is NCCL's *strong* signal; weak signals get the same guarantee. **Gets** are `fi_read`. A put, get
 //! or signal the provider cannot take now (`FI_EAGAIN`) waits in its peer's
 //! queue and is posted at the next progress, in order: back-pressure is
 //! never an error.
@@ -267,12 +267,6 @@ pub struct Coll {
     nranks: u32,
     token: u32,
     virt: bool,
-    /// This rank's provider loses a write's remote CQ data
-    /// (`Rma::cq_data_lost`), so no write is counted here: a signal waits
-    /// for no count, since it arrives after the writes its sender issued
-    /// before it (the provider orders a message after a write,
-    /// FI_ORDER_SAW, or the device would claim no RMA).
-    announce: bool,
     st: Mutex<State>,
     /// Operations posted (for the log at close).
     posted: AtomicU64,
@@ -338,7 +332,6 @@ impl Coll {
             serial,
             dev: Arc::clone(&l.dev),
             virt: l.dev.virt_addr(),
-            announce: l.dev.dev.rma.cq_data_lost.is_some(),
             hub,
             rank,
             nranks,
@@ -358,6 +351,15 @@ impl Coll {
         Ok(c)
     }
 
+    /// This rank's provider loses a write's remote CQ data
+    /// (`Rma::writes_announced`), so no write is counted here: a signal
+    /// waits for no count, since it arrives after the writes its sender
+    /// issued before it (the provider orders a message after a write,
+    /// FI_ORDER_SAW, or the device would claim no RMA).
+    fn announce(&self) -> bool {
+        self.dev.dev.rma.writes_announced()
+    }
+
     fn hello(&self, handles: &[Handle], l: &Listener) -> Result<()> {
         let mut unsent: Vec<usize> = (0..handles.len()).collect();
         let mut heard: Vec<Option<(u32, u32, bool)>> = vec![None; handles.len()];
@@ -375,7 +377,7 @@ impl Coll {
                         nranks: self.nranks,
                         id: st.ranks[p].id,
                         token: self.token,
-                        announce: self.announce,
+                        announce: self.announce(),
                     };
                     let (b, n) = framed(handles[p].id, self.token, &msg);
                     match st.ranks[p].peer.send("fi_inject", |a| ep.inject(&b[..n], a)) {
@@ -440,12 +442,12 @@ impl Coll {
             r.inbox.expect(token);
         }
         let plain = st.ranks.iter().filter(|r| r.announced).count();
-        if plain > 0 || self.announce {
+        if plain > 0 || self.announce() {
             tracing::info!(
                 "RMA connect (rank {} of {}): puts to {plain} rank(s) as fi_write without CQ data (their provider loses it; each signal follows its puts on the same connection, FI_ORDER_SAW){}",
                 self.rank,
                 self.nranks,
-                if self.announce { "; signals here wait for no count of writes" } else { "" }
+                if self.announce() { "; signals here wait for no count of writes" } else { "" }
             );
         }
         Ok(())
@@ -711,7 +713,7 @@ impl Coll {
             st.scanned = now;
         }
         let State { ranks, regs, keys, mail, last_error, .. } = st;
-        let announce = self.announce;
+        let announce = self.announce();
         for (p, r) in ranks.iter_mut().enumerate() {
             // What waits, in order, until the provider says "later".
             while let Some((w, req)) = r.queue.pop_front() {

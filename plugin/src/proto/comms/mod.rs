@@ -439,6 +439,12 @@ fn die<S: Side>(st: &mut S, why: String) {
     die_as(st, Kind::PeerDead, why);
 }
 
+/// Why a comm whose provider says the connection is gone dies (`what`
+/// the provider failed).
+fn connection_broken(what: impl std::fmt::Display) -> String {
+    format!("the provider reports the connection to the peer broken ({what})")
+}
+
 /// [`die`], recording what the death was (`Kind::PeerClosed`: a `Bye`
 /// after which nothing more can come).
 fn die_as<S: Side>(st: &mut S, kind: Kind, why: String) {
@@ -463,10 +469,7 @@ fn keepalive<S: Side>(st: &mut S, seat: &Seat, timeout: std::time::Duration, now
         let p = st.peer();
         let r = p.send(seat.ep(), Ctrl::Alive);
         if let Err(e) = r {
-            return die(
-                st,
-                format!("the provider reports the connection to the peer broken ({e})"),
-            );
+            return die(st, connection_broken(e));
         }
         st.peer().link.last_said = Some(now);
     }

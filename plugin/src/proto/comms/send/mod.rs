@@ -424,9 +424,7 @@ impl Side for SendState {
                     // Its send was reported done, and its receive waits for
                     // it: the comm cannot go on.
                     let why = if crate::fabric::breaks_connection(e.err) {
-                        format!(
-                            "the provider reports the connection to the peer broken (an eager message failed: {e})"
-                        )
+                        connection_broken(format_args!("an eager message failed: {e}"))
                     } else {
                         format!("an eager message to the peer failed in the provider: {e}")
                     };
@@ -445,12 +443,7 @@ impl Side for SendState {
                         tell = r.dst;
                     }
                     if broken {
-                        die(
-                            self,
-                            format!(
-                                "the provider reports the connection to the peer broken (a send failed: {e})"
-                            ),
-                        );
+                        die(self, connection_broken(format_args!("a send failed: {e}")));
                     } else if let Some((slot, sub)) = tell {
                         // The receive it wrote for would wait forever: it
                         // fails too.
