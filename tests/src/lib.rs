@@ -98,17 +98,7 @@ pub fn unmapped_range(len: usize) -> *mut u8 {
     }
 }
 
-/// A `kB` field of /proc/self/status (`VmRSS`, `VmHWM`, ...); 0 if absent.
-pub fn status_kb(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.strip_prefix(field).is_some_and(|r| r.starts_with(':')))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
-}
+pub use weft::tools::status_kb;
 
 /// Every `.rs` file of the plugin crate, sorted: its path relative to
 /// `plugin/src` and its text (what the source checks, `layers.rs` and

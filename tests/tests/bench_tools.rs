@@ -1,13 +1,31 @@
 //! The benchmark tools work and write what they promise. Nothing here checks
 //! a speed (the figures are read from `./weft bench`, never asserted): a tiny
-//! `weft-bench` run over shm must print the side-by-side table and write the
+//! `weft bench` run over shm must print the side-by-side table and write the
 //! CSV, JSON and PNG, and `--impls rma,put` measure Weft's RMA puts beside raw
-//! writes on shm and tcp; `weft-bench --micro-only` must count instructions of
-//! every micro case under callgrind.
+//! writes on shm and tcp; `weft bench` between two hosts of the namespace
+//! cluster measures every point, and a failure on the other side ends the
+//! run at once with its reason; `weft-micro --callgrind` must count
+//! instructions of every micro case.
 
-use std::process::Command;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
 
-const BENCH: &str = env!("CARGO_BIN_EXE_weft-bench");
+use weft_tests::emu;
+use weft_tests::netns::Cluster;
+
+const MICRO: &str = env!("CARGO_BIN_EXE_weft-micro");
+
+/// `weft bench` (the shipped command) with the plugin under test.
+fn weft_bench(cmd: Command) -> Command {
+    weft_bench_with(cmd, &emu::plugin_path())
+}
+
+/// `weft bench` through `cmd` (`weft`, or a program that runs it) with
+/// the plugin at `plugin`.
+fn weft_bench_with(mut cmd: Command, plugin: &std::path::Path) -> Command {
+    cmd.arg("bench").arg("--plugin").arg(plugin);
+    cmd
+}
 
 fn out_dir(name: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("weft-bench-test-{name}-{}", std::process::id()));
@@ -15,18 +33,23 @@ fn out_dir(name: &str) -> std::path::PathBuf {
     d
 }
 
-/// Runs `weft-bench` with `args` writing into `dir`; its stdout (printed).
+/// Runs `weft bench` with `args` writing into `dir`; its stdout (printed).
 fn bench(args: &[&str], dir: &std::path::Path) -> String {
-    let o = Command::new(BENCH)
+    run_bench(Command::new(emu::weft_bin("weft")), args, dir)
+}
+
+/// [`bench`] through `cmd` (a program that runs `weft`, or `weft` itself).
+fn run_bench(cmd: Command, args: &[&str], dir: &std::path::Path) -> String {
+    let o = weft_bench(cmd)
         .args(args)
         .arg("--out")
         .arg(dir)
         .output()
-        .expect("run weft-bench");
+        .expect("run weft bench");
     let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(
         o.status.success(),
-        "weft-bench failed:\n{stdout}\n{}",
+        "weft bench failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&o.stderr)
     );
     println!("{stdout}");
@@ -75,7 +98,18 @@ const QUICK_BOTH: &[&str] = &[
 fn rma_puts_are_measured_beside_raw_writes() {
     weft_tests::isolated!();
     let dir = out_dir("put");
-    let stdout = bench(&[QUICK_BOTH, &["--impls", "rma,put"]].concat(), &dir);
+    // Weft's RMA claims a device only where NCCL's CUDA memory registers:
+    // here, the fake driver's, as in the RMA tests.
+    let mut cmd = Command::new(emu::weft_bin("weft"));
+    let rest = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    cmd.env(
+        "LD_LIBRARY_PATH",
+        format!("{}:{rest}", weft_tests::rma_group::FAKE_CUDA),
+    )
+    .env("WEFT_TEST_HMEM", "system")
+    .env("WEFT_PROTOCOL", "rdma");
+    let args = [QUICK_BOTH, &["--impls", "rma,put"]].concat();
+    let stdout = run_bench(cmd, &args, &dir);
     assert!(stdout.contains("put/write"), "the table lacks put/write");
     for p in ["shm", "tcp"] {
         csv_has(&dir, p, &["rma", "put"]);
@@ -127,23 +161,23 @@ fn quick_run_writes_table_csv_json_and_png() {
 fn micro_costs_are_counted_under_callgrind() {
     weft_tests::isolated!();
     let dir = out_dir("micro");
-    let o = Command::new(BENCH)
-        .args(["--quick", "--micro-only"])
-        .arg("--out")
-        .arg(&dir)
+    std::fs::create_dir_all(&dir).expect("out dir");
+    let file = dir.join("micro.json");
+    let o = Command::new(MICRO)
+        .args(["--callgrind", "--quick", "--json"])
+        .arg(&file)
         .output()
-        .expect("run weft-bench --micro-only");
+        .expect("run weft-micro --callgrind");
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(
         o.status.success(),
-        "weft-bench --micro-only failed:\n{stdout}\n{}",
+        "weft-micro --callgrind failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&o.stderr)
     );
     println!("{stdout}");
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("bench.json")).expect("bench.json"))
-            .expect("bench.json parses");
-    let m = &json["micro_instructions_per_op"];
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("micro.json"))
+            .expect("micro.json parses");
     for case in [
         "c-pair",
         "weft-pair",
@@ -317,4 +351,131 @@ fn receives_larger_than_their_messages_are_measured() {
     for p in ["shm", "tcp"] {
         csv_has(&dir, p, &["raw", "weft"]);
     }
+}
+
+/// A `weft bench --listen` process, killed when dropped.
+struct Listener {
+    child: Child,
+    /// Where it listens, as it said.
+    addr: String,
+}
+
+impl Listener {
+    /// Starts `weft bench --listen at` (port 0: any) through `cmd` with
+    /// the plugin at `plugin`, and reads where it listens from its first
+    /// line.
+    fn start(cmd: Command, plugin: &std::path::Path, at: &str) -> Self {
+        let mut child = weft_bench_with(cmd, plugin)
+            .args(["--listen", at])
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start weft bench --listen");
+        let mut err = BufReader::new(child.stderr.take().expect("stderr"));
+        let mut line = String::new();
+        err.read_line(&mut line).expect("its first line");
+        let addr = line
+            .split_whitespace()
+            .skip_while(|w| *w != "on")
+            .nth(1)
+            .map(|a| a.trim_end_matches(';').to_owned())
+            .unwrap_or_else(|| panic!("weft bench --listen said {line:?}"));
+        // Its further lines (one per run) go to the test's output.
+        std::thread::spawn(move || {
+            for l in err.lines().map_while(Result::ok) {
+                eprintln!("listener: {l}");
+            }
+        });
+        Self { child, addr }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Two hosts of the namespace cluster, as an operator runs it: `weft bench
+/// --listen` on host 1, `weft bench HOST` on host 0, each with Weft's own
+/// choice of provider on its rail (`auto`), every point measured for raw
+/// libfabric and Weft, both sides' memory reported.
+#[test]
+fn bench_between_two_hosts() {
+    weft_tests::isolated!();
+    let c = Cluster::new(2, 1).expect("the cluster");
+    let weft = emu::weft_bin("weft");
+    let on = |h: usize| {
+        let mut cmd = c.command(h, weft.to_str().expect("a UTF-8 path"));
+        cmd.env("WEFT_IFACE", "r0").env("FI_TCP_IFACE", "r0");
+        cmd
+    };
+    let at = format!("{}:0", c.addr(1, 0, false));
+    let l = Listener::start(on(1), &emu::plugin_path(), &at);
+    assert!(l.addr.starts_with(&c.addr(1, 0, false)), "{}", l.addr);
+    let dir = out_dir("hosts");
+    let args = [
+        &l.addr[..],
+        "--quick",
+        "--reps",
+        "1",
+        "--sizes",
+        "8,65536",
+        "--impls",
+        "raw,weft",
+        "--no-plot",
+        "--json",
+    ];
+    let stdout = run_bench(on(0), &args, &dir);
+    let json: serde_json::Value = serde_json::from_str(&stdout).expect("--json prints JSON");
+    assert!(
+        json["header"]
+            .as_str()
+            .is_some_and(|h| h.contains(&format!("to {}", l.addr))),
+        "{}",
+        json["header"]
+    );
+    let p = json["records"][0]["provider"]
+        .as_str()
+        .expect("a provider")
+        .to_owned();
+    assert!(
+        p.starts_with("tcp") || p.starts_with("sockets"),
+        "Weft's choice on a veth rail: {p}"
+    );
+    csv_has(&dir, &p, &["raw", "weft"]);
+    let m = &json["memory"][0];
+    assert!(m["server_hwm_kb"].as_u64().unwrap_or(0) > 0, "{m}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The other side fails (here: its plugin cannot be loaded): the client
+/// ends at once, with a non-zero status and the other side's reason.
+#[test]
+fn a_failure_on_the_other_side_ends_the_run_with_its_reason() {
+    weft_tests::isolated!();
+    let mut listen = Command::new(emu::weft_bin("weft"));
+    listen.env("FI_TCP_IFACE", "lo").env("WEFT_IFACE", "lo");
+    let missing = std::path::Path::new("/nonexistent/libnccl-net-weft.so");
+    let l = Listener::start(listen, missing, "127.0.0.1:0");
+    let started = std::time::Instant::now();
+    let o = weft_bench(Command::new(emu::weft_bin("weft")))
+        .args([&l.addr[..], "--providers", "tcp", "--quick", "--reps", "1"])
+        .args(["--sizes", "8", "--no-plot", "--out"])
+        .arg(out_dir("fails"))
+        .env("FI_TCP_IFACE", "lo")
+        .env("WEFT_IFACE", "lo")
+        .output()
+        .expect("run weft bench");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "it succeeded:\n{err}");
+    assert!(
+        err.contains("the other side failed") && err.contains("/nonexistent/libnccl-net-weft.so"),
+        "the error is not the other side's:\n{err}"
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(60),
+        "it took {:?}",
+        started.elapsed()
+    );
 }

@@ -1,7 +1,14 @@
 //! The two transports measured side by side: raw libfabric (tagged, or RMA
 //! writes) and Weft through its exported table; connecting and closing them.
 
+use nccl_net_weft::net_v12::{ncclNetCommConfig_v12_t, ncclNetVDeviceProps_v12_t, ncclNet_v12_t};
+use nccl_net_weft::rma_v16::{ncclRmaConfig_v16_t, ncclRma_v16_t};
+use nccl_net_weft::tools::fabric::{is_remote_write, Device};
+
 use super::*;
+
+/// `regMr`'s type for host memory (NCCL_PTR_HOST).
+const PTR_HOST: c_int = 1;
 
 /// A request of either transport.
 #[derive(Debug, Clone, Copy)]
@@ -83,9 +90,11 @@ pub(super) struct Raw {
 }
 
 impl Raw {
-    pub(super) fn open(provider: &str, split: bool) -> Res<Self> {
-        let domain = weft_tests::loopback_domain_for(provider, true)?;
-        let open = || Endpoint::open_own(&domain).map_err(|e| e.to_string());
+    /// Raw endpoints on `dev`, the device Weft uses.
+    pub(super) fn open(dev: &Device, split: bool) -> Res<Self> {
+        let domain = Domain::open(dev.info_for(true))
+            .map_err(|e| format!("{} {}: fi_domain: {e}", dev.provider, dev.domain))?;
+        let open = || Endpoint::open_own(&domain).map_err(|e| format!("raw endpoint: {e}"));
         let ep = open()?;
         let rx = if split {
             Some((open()?, libfabric_sys::FI_ADDR_NOTAVAIL))
@@ -137,7 +146,7 @@ impl Raw {
             loop {
                 let n = ep.cq().read(&mut c).map_err(|e| format!("raw cq: {e:?}"))?;
                 for comp in &c[..n] {
-                    if weft::fabric::is_remote_write(comp) {
+                    if is_remote_write(comp) {
                         let tag = (comp.data as usize).min(4);
                         self.landed[tag] += 1;
                         let landed = self.landed;
@@ -166,7 +175,7 @@ impl Raw {
     pub(super) fn post(
         &mut self,
         what: &str,
-        op: impl Fn(&Self, *mut c_void) -> Result<(), weft::fabric::FiError>,
+        op: impl Fn(&Self, *mut c_void) -> Result<(), FiError>,
     ) -> Res<Req> {
         let i = self.slot();
         loop {
@@ -249,7 +258,7 @@ impl Transport for Raw {
 /// Weft through an exported table: a send comm to the peer and a receive
 /// comm from it.
 pub(super) struct Weft {
-    pub(super) net: Box<dyn Net>,
+    pub(super) net: &'static ncclNet_v12_t,
     pub(super) ctx: *mut c_void,
     pub(super) send: *mut c_void,
     pub(super) recv: *mut c_void,
@@ -266,27 +275,35 @@ pub(super) fn until_req(what: &str, mut post: impl FnMut(&mut *mut c_void) -> c_
 
 impl Transport for Weft {
     fn send(&mut self, b: &Buf, off: usize, size: usize, tag: Tag) -> Res<Req> {
-        let (net, comm) = (&self.net, self.send);
+        let (isend, comm) = (member!(self.net, isend), self.send);
         until_req("isend", |req| {
             // SAFETY: NCCL's contract: a live comm, a registered buffer that
             // outlives the request, a valid out pointer.
-            unsafe { net.isend(comm, b.ptr(off).cast(), size, tag as c_int, b.weft.0, req) }
+            unsafe {
+                isend(
+                    comm,
+                    b.ptr(off).cast(),
+                    size,
+                    tag as c_int,
+                    b.weft.0,
+                    std::ptr::null_mut(),
+                    req,
+                )
+            }
         })
     }
 
     fn recv(&mut self, b: &Buf, off: usize, size: usize, tag: Tag) -> Res<Req> {
-        let (net, comm) = (&self.net, self.recv);
-        let size = posted(size, tag);
+        let (irecv, comm) = (member!(self.net, irecv), self.recv);
+        let mut size = posted(size, tag);
+        let (mut data, mut tag, mut mh) = (b.ptr(off).cast(), tag as c_int, b.weft.1);
+        let mut ph = std::ptr::null_mut();
         until_req("irecv", |req| {
-            // SAFETY: as for send; one buffer per receive.
+            // SAFETY: as for send; one buffer per receive, its arrays live
+            // locals.
             unsafe {
-                net.irecv(
-                    comm,
-                    &mut [b.ptr(off).cast()],
-                    &[size],
-                    &mut [tag as c_int],
-                    &mut [b.weft.1],
-                    req,
+                irecv(
+                    comm, 1, &mut data, &mut size, &mut tag, &mut mh, &mut ph, req,
                 )
             }
         })
@@ -297,10 +314,9 @@ impl Transport for Weft {
             return Err("a raw request on the Weft transport".into());
         };
         let (mut done, mut sizes) = (0, [0 as c_int; 8]);
+        let test = member!(self.net, test);
         // SAFETY: `q` is a live request of this table.
-        rc("test", unsafe {
-            self.net.test(q, &mut done, sizes.as_mut_ptr())
-        })?;
+        rc("test", unsafe { test(q, &mut done, sizes.as_mut_ptr()) })?;
         Ok(done == 1)
     }
 }
@@ -323,14 +339,11 @@ pub(super) struct Bufs {
 /// message's size), reaching past their slot into the next ones (only the
 /// message's bytes are written), so buffers get this much room at the end.
 pub(super) fn post_size() -> usize {
-    static POST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *POST.get_or_init(|| {
-        std::env::var("WEFT_BENCH_POST_SIZE")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    })
+    *POST_SIZE.get().unwrap_or(&0)
 }
+
+/// `--post-size`, fixed once per process by the plan it runs.
+pub(super) static POST_SIZE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 
 /// What a receive of a `size`-byte message with `tag` posts: the
 /// benchmark's own "go" messages land in their small buffer as they are.
@@ -366,18 +379,12 @@ impl Side {
         let raw = unsafe { Mr::register(&self.raw.domain, data.as_ptr(), data.len(), ACCESS_ALL) }
             .map_err(|e| e.to_string())?;
         let (w, mut s, mut r) = (&self.weft, std::ptr::null_mut(), std::ptr::null_mut());
+        let reg = member!(w.net, regMr);
+        let p = data.as_ptr() as *mut c_void;
         // SAFETY: live comms; the buffer outlives its handles (`unreg`).
         unsafe {
-            rc(
-                "regMr",
-                w.net
-                    .reg_mr(w.send, data.as_ptr() as *mut c_void, data.len(), &mut s),
-            )?;
-            rc(
-                "regMr",
-                w.net
-                    .reg_mr(w.recv, data.as_ptr() as *mut c_void, data.len(), &mut r),
-            )?;
+            rc("regMr", reg(w.send, p, data.len(), PTR_HOST, &mut s))?;
+            rc("regMr", reg(w.recv, p, data.len(), PTR_HOST, &mut r))?;
         }
         Ok(Buf {
             data,
@@ -395,10 +402,11 @@ impl Side {
             })?;
         }
         let w = &self.weft;
+        let dereg = member!(w.net, deregMr);
         // SAFETY: handles of this side's live comms.
         unsafe {
-            rc("deregMr", w.net.dereg_mr(w.send, b.weft.0))?;
-            rc("deregMr", w.net.dereg_mr(w.recv, b.weft.1))?;
+            rc("deregMr", dereg(w.send, b.weft.0))?;
+            rc("deregMr", dereg(w.recv, b.weft.1))?;
         }
         Ok(())
     }
@@ -419,33 +427,41 @@ impl Side {
 }
 
 /// Opens both transports and connects them to the peer whose hello line is
-/// read with `read` after ours is written with `write`.
+/// read with `read` after ours is written with `write`; `dev` is the device
+/// Weft uses (the raw endpoints open on it too).
 pub(super) fn connect(
-    provider: &str,
-    version: u32,
-    split: bool,
-    lib: &libloading::os::unix::Library,
+    dev: &Device,
+    opts: &Options,
+    lib: &Lib,
     mut write: impl FnMut(&str) -> Res<()>,
     mut read: impl FnMut() -> Res<String>,
 ) -> Res<Side> {
-    weft_tests::host::pin_to_loopback(provider);
-    let mut raw = Raw::open(provider, split)?;
-    let net = emu::net(lib, version);
+    let mut raw = Raw::open(dev, opts.raw_split)?;
+    // SAFETY: the plugin exports its v12 table under this name.
+    let net: &'static ncclNet_v12_t = unsafe { lib.table("ncclNetPlugin_v12")? };
     let (mut ctx, mut l) = (std::ptr::null_mut(), std::ptr::null_mut());
     let mut h = [0u8; 128];
-    let mut dev = 0;
-    // SAFETY: NCCL's calling convention throughout.
+    let mut d = 0;
+    let mut cfg = ncclNetCommConfig_v12_t { trafficClass: -1 };
+    // SAFETY: NCCL's calling convention throughout; the outputs are live
+    // locals.
     unsafe {
-        rc("init", net.init(&mut ctx))?;
-        if std::env::var_os("WEFT_BENCH_VDEV").is_some() {
-            dev = match net.make_vdevice(1, &[0]) {
-                Some((0, d)) => d,
-                other => return Err(format!("makeVDevice({{1, [0]}}): {other:?} (needs v9+)")),
-            };
+        rc(
+            "init",
+            member!(net, init)(&mut ctx, 0x5eed, &mut cfg, None, std::ptr::null_mut()),
+        )?;
+        if opts.vdev {
+            let mut p: ncclNetVDeviceProps_v12_t = std::mem::zeroed();
+            p.ndevs = 1;
+            p.devs[0] = 0;
+            rc(
+                "makeVDevice({1, [0]})",
+                member!(net, makeVDevice)(&mut d, &mut p),
+            )?;
         }
         rc(
             "listen",
-            net.listen(ctx, dev, h.as_mut_ptr().cast(), &mut l),
+            member!(net, listen)(ctx, d, h.as_mut_ptr().cast(), &mut l),
         )?;
     }
     // hello <sending endpoint> <Weft handle> <receiving endpoint>
@@ -464,7 +480,7 @@ pub(super) fn connect(
     let insert = |ep: &Endpoint, name: &str| -> Res<FiAddr> {
         ep.av()
             .insert(&unhex(name)?)
-            .map_err(|e| format!("peer address: {e}"))
+            .map_err(|e| format!("the peer's raw address: {e}"))
     };
     raw.peer = insert(&raw.ep, a_rx)?;
     if let Some((rx, from)) = &mut raw.rx {
@@ -472,28 +488,34 @@ pub(super) fn connect(
     }
     let mut ph: [u8; 128] = unhex(ph)?
         .try_into()
-        .map_err(|_| "peer handle is not 128 bytes")?;
+        .map_err(|_| "the peer's Weft handle is not 128 bytes")?;
     let (mut s, mut r): (*mut c_void, *mut c_void) = (std::ptr::null_mut(), std::ptr::null_mut());
+    let (connect, accept) = (member!(net, connect), member!(net, accept));
     let start = Instant::now();
     while s.is_null() || r.is_null() {
         // SAFETY: as above; the handle buffer is the same on every call.
         unsafe {
             if s.is_null() {
+                let mut dc = std::ptr::null_mut();
                 rc(
                     "connect",
-                    net.connect(ctx, dev, ph.as_mut_ptr().cast(), &mut s, true),
+                    connect(ctx, d, ph.as_mut_ptr().cast(), &mut s, &mut dc),
                 )?;
             }
             if r.is_null() {
-                rc("accept", net.accept(l, &mut r, true))?;
+                let mut dc = std::ptr::null_mut();
+                rc("accept", accept(l, &mut r, &mut dc))?;
             }
         }
-        if start.elapsed() > Duration::from_secs(120) {
-            return Err("connect/accept did not finish in 120 s".into());
+        if start.elapsed() > PATIENCE {
+            return Err(format!(
+                "Weft's connect/accept did not finish in {} s",
+                PATIENCE.as_secs()
+            ));
         }
     }
     // SAFETY: the listener is no longer needed.
-    unsafe { rc("closeListen", net.close_listen(l))? };
+    unsafe { rc("closeListen", member!(net, closeListen)(l))? };
     let weft = Weft {
         net,
         ctx,
@@ -507,7 +529,7 @@ pub(super) fn connect(
     })
 }
 
-pub(super) fn close(side: Side, bufs: Option<Bufs>, version: u32) -> Res<()> {
+pub(super) fn close(side: Side, bufs: Option<Bufs>) -> Res<()> {
     if let Some(b) = bufs {
         b.free(&side)?;
     }
@@ -517,11 +539,9 @@ pub(super) fn close(side: Side, bufs: Option<Bufs>, version: u32) -> Res<()> {
     let w = &side.weft;
     // SAFETY: live comms and context, closed once.
     unsafe {
-        rc("closeSend", w.net.close_send(w.send))?;
-        rc("closeRecv", w.net.close_recv(w.recv))?;
-        if version >= 11 {
-            rc("finalize", w.net.finalize(w.ctx))?;
-        }
+        rc("closeSend", member!(w.net, closeSend)(w.send))?;
+        rc("closeRecv", member!(w.net, closeRecv)(w.recv))?;
+        rc("finalize", member!(w.net, finalize)(w.ctx))?;
     }
     Ok(())
 }
@@ -533,7 +553,7 @@ pub(super) fn close(side: Side, bufs: Option<Bufs>, version: u32) -> Res<()> {
 /// reaches its count (raw `rma` does the same with `fi_writedata` and
 /// its immediate). "go" is a signal-only op.
 pub(super) struct Put {
-    pub(super) t: &'static weft::rma_v16::ncclRma_v16_t,
+    pub(super) t: &'static ncclRma_v16_t,
     ctx: *mut c_void,
     pub(super) coll: *mut c_void,
     rctx: *mut c_void,
@@ -544,20 +564,11 @@ pub(super) struct Put {
     peer: u32,
 }
 
-/// A member of the RMA table, or an error naming it.
-macro_rules! member {
-    ($t:expr, $m:ident) => {
-        $t.$m
-            .ok_or(concat!("the RMA table has no ", stringify!($m)))?
-    };
-}
-
 impl Put {
     /// `init`, `devices`, `listen`: the context and this rank's handle.
-    pub(super) fn listen(
-        lib: &libloading::os::unix::Library,
-    ) -> Res<(Self, *mut c_void, [u8; 128])> {
-        let t: &'static weft::rma_v16::ncclRma_v16_t = emu::sym(lib, "ncclRmaPlugin_v16");
+    pub(super) fn listen(lib: &Lib) -> Res<(Self, *mut c_void, [u8; 128])> {
+        // SAFETY: the plugin exports its v16 RMA table under this name.
+        let t: &'static ncclRma_v16_t = unsafe { lib.table("ncclRmaPlugin_v16")? };
         let (mut ctx, mut l, mut n) = (std::ptr::null_mut(), std::ptr::null_mut(), 0);
         let mut h = [0u8; 128];
         // SAFETY: NCCL's calling convention; the outputs are live locals.
@@ -565,7 +576,7 @@ impl Put {
             rc("RMA init", member!(t, init)(&mut ctx, 0, None))?;
             rc("RMA devices", member!(t, devices)(&mut n))?;
             if n < 1 {
-                return Err("RMA: Weft claims no RMA device (needs the fake CUDA driver and WEFT_TEST_HMEM=system here)".into());
+                return Err("put: Weft claims no RMA device here (it claims one only where CUDA memory registers: its INFO line at init says why; run with NCCL_DEBUG=INFO)".into());
             }
             rc(
                 "RMA listen",
@@ -596,7 +607,7 @@ impl Put {
         let t = self.t;
         let mut hs: Vec<*mut c_void> = handles.into_iter().map(|h| h.as_mut_ptr().cast()).collect();
         self.peer = 1 - rank;
-        let mut cfg = weft::rma_v16::ncclRmaConfig_v16_t {
+        let mut cfg = ncclRmaConfig_v16_t {
             nContexts: 1,
             trafficClass: -1,
             rankStride: 1,

@@ -9,13 +9,8 @@
 //! ```text
 //! weft info [--json] [--plugin PATH]
 //! ```
-//!
-//! Without `--plugin`, the library is looked for beside this program, then
-//! by name through the dynamic loader (`LD_LIBRARY_PATH`, the loader cache),
-//! as NCCL finds `libnccl-net-weft.so`.
 
-use std::ffi::{c_char, c_int, c_void, CStr, CString};
-use std::path::PathBuf;
+use std::ffi::{c_char, c_int, CStr};
 use std::process::ExitCode;
 
 use nccl_net_weft::net_v12::{ncclNetCommConfig_v12_t, ncclNetProperties_v12_t, ncclNet_v12_t};
@@ -23,61 +18,7 @@ use nccl_net_weft::tools::{self, Config, Outcome, Source};
 use nccl_net_weft::{NCCL_RELEASES, NCCL_RMA_RELEASES};
 use serde_json::{json, Value};
 
-/// The library name NCCL looks for with `NCCL_NET_PLUGIN=weft`.
-const LIB_NAME: &str = "libnccl-net-weft.so";
-
-/// A `dlopen`ed library (never closed: the plugin is linked nodelete).
-struct Lib {
-    handle: *mut c_void,
-    path: String,
-}
-
-impl Lib {
-    fn open(path: &str) -> Result<Self, String> {
-        let c = CString::new(path).map_err(|e| e.to_string())?;
-        // SAFETY: a NUL-terminated path; dlopen runs the library's
-        // initialisers, which Weft keeps trivial.
-        let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        if handle.is_null() {
-            // SAFETY: dlerror returns NULL or a NUL-terminated message.
-            let e = unsafe { libc::dlerror() };
-            let why = if e.is_null() {
-                "unknown error".to_owned()
-            } else {
-                // SAFETY: as above.
-                unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
-            };
-            return Err(format!("dlopen({path}): {why}"));
-        }
-        Ok(Self {
-            handle,
-            path: path.to_owned(),
-        })
-    }
-
-    /// The address of symbol `name`, if exported.
-    fn sym(&self, name: &str) -> Option<*mut c_void> {
-        let c = CString::new(name).ok()?;
-        // SAFETY: a live handle and a NUL-terminated name.
-        let p = unsafe { libc::dlsym(self.handle, c.as_ptr()) };
-        (!p.is_null()).then_some(p)
-    }
-}
-
-/// Finds the plugin as the usage text says.
-fn open_plugin(explicit: Option<String>) -> Result<Lib, String> {
-    if let Some(p) = explicit {
-        return Lib::open(&p);
-    }
-    let beside: Option<PathBuf> = std::env::current_exe()
-        .ok()
-        .and_then(|e| e.parent().map(|d| d.join(LIB_NAME)))
-        .filter(|p| p.exists());
-    match beside {
-        Some(p) => Lib::open(&p.to_string_lossy()),
-        None => Lib::open(LIB_NAME),
-    }
-}
+use crate::plugin::{open_plugin, Lib};
 
 fn cstr(p: *const c_char) -> Value {
     if p.is_null() {
@@ -124,11 +65,8 @@ fn props_json(p: &ncclNetProperties_v12_t) -> Value {
 
 /// Asks the plugin, through its v12 table, for its devices' properties.
 fn devices_through_table(lib: &Lib) -> Result<Vec<Value>, String> {
-    let table = lib
-        .sym("ncclNetPlugin_v12")
-        .ok_or("the library exports no ncclNetPlugin_v12")?;
-    // SAFETY: the symbol is the plugin's static v12 table.
-    let t = unsafe { &*table.cast::<ncclNet_v12_t>() };
+    // SAFETY: the plugin exports its v12 table under this name.
+    let t: &ncclNet_v12_t = unsafe { lib.table("ncclNetPlugin_v12")? };
     let call = |what: &str, r: c_int| {
         if r == 0 {
             Ok(())
@@ -313,23 +251,19 @@ fn print_text(r: &Value) {
     }
 }
 
-fn main() -> ExitCode {
-    let mut args = std::env::args().skip(1);
-    let (mut json_out, mut plugin, mut cmd) = (false, None, None);
+/// `weft info ARGS`.
+pub fn main(args: &[String]) -> ExitCode {
+    let mut args = args.iter().cloned();
+    let (mut json_out, mut plugin) = (false, None);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--json" => json_out = true,
             "--plugin" => plugin = args.next(),
-            "info" if cmd.is_none() => cmd = Some(a),
             _ => {
                 eprintln!("usage: weft info [--json] [--plugin PATH]");
                 return ExitCode::from(2);
             }
         }
-    }
-    if cmd.is_none() {
-        eprintln!("usage: weft info [--json] [--plugin PATH]");
-        return ExitCode::from(2);
     }
     let result = open_plugin(plugin).and_then(|lib| report(&lib));
     match result {
