@@ -31,6 +31,8 @@ pub struct Coll {
     pub(super) kind: Kind,
     /// What the caller asked: sizes, shards, buffers, handles.
     pub(super) s: Spec,
+    /// Its sequence number in the group.
+    pub(super) seq: u32,
     pub(super) tag: [i32; 2],
     pub(super) chunks: Vec<Vec<Chunk>>,
     pub(super) p1_send: Vec<Stream>,
@@ -130,6 +132,7 @@ impl Coll {
         };
         let c = Coll {
             kind,
+            seq,
             tag: op_tags(seq),
             served: false,
             hdr: Vec::new(),
@@ -184,6 +187,7 @@ impl Coll {
         let along = |k: usize| Stream::new(chunks[k].len());
         let c = Coll {
             kind: Kind::AllReduce,
+            seq,
             tag: op_tags(seq),
             served: true,
             hdr: (0..m).map(|_| Stream::new(1)).collect(),
@@ -209,6 +213,14 @@ impl Coll {
         let l = self.g.links()?;
         let (hdr, hmh) = (self.scratch.buf.as_ptr() as usize, self.scratch.mh.as_ref());
         let hazard = self.s.hazard;
+        let turn = self.g.header_turn.load(Ordering::Acquire);
+        if turn != self.seq && self.g.header_lost.load(Ordering::Acquire) {
+            return Err(Error::remote(format!(
+                "an earlier collective of this group (#{turn}) failed before it reached every reducer, \
+                 so the reducers can no longer pair this one's parts; close the communicator"
+            )));
+        }
+        let my_turn = turn == self.seq;
         for k in 0..m {
             let at = |e: Error| {
                 e.context(format!(
@@ -219,7 +231,7 @@ impl Coll {
             let (g, t, ch, s) = (&self.g, self.tag, &self.chunks, &self.s);
             pump(
                 &mut self.hdr[k],
-                |_| true,
+                |_| my_turn,
                 // SAFETY: header k in the registered scratch, kept until done.
                 |_| unsafe { send(up, hdr + k * Header::LEN, Header::LEN, HEADER_TAG, hmh) },
             )
@@ -262,9 +274,21 @@ impl Coll {
             self.p1_send[k].test(&ch[k], &g.sent).map_err(at)?;
             self.p2_recv[k].test(&ch[k], &g.received).map_err(at)?;
         }
+        if my_turn && self.headers_posted() {
+            // Every header of this operation is with the provider, in order
+            // after the earlier operations': the next one's turn.
+            self.g
+                .header_turn
+                .store(self.seq.wrapping_add(1), Ordering::Release);
+        }
         Ok((0..m).all(|k| {
             self.hdr[k].finished() && self.p1_send[k].finished() && self.p2_recv[k].finished()
         }))
+    }
+
+    /// Every header of a served operation is posted.
+    fn headers_posted(&self) -> bool {
+        self.hdr.iter().all(|h| h.next == h.done.len())
     }
 
     /// One step: posts what may go, tests what is in flight, reduces what
@@ -461,6 +485,9 @@ impl Coll {
     /// request still in flight is finished or failed, so that no provider
     /// writes into the scratch buffer after it is freed.
     pub(super) fn abandon(&mut self) {
+        if self.served && !self.headers_posted() {
+            self.g.header_lost.store(true, Ordering::Release);
+        }
         let deadline = Instant::now() + core::peer_timeout().unwrap_or(Duration::from_secs(30));
         // A failed collective's scratch is never reused (a peer that broke
         // the protocol may still be writing); it is freed only if nothing

@@ -281,6 +281,8 @@ pub fn connect_with(
         nreducers: m,
         links: Mutex::new(Some(Arc::new(links))),
         seq: Mutex::new(0),
+        header_turn: AtomicU32::new(0),
+        header_lost: AtomicBool::new(false),
         live: AtomicUsize::new(0),
         sent: AtomicU64::new(0),
         received: AtomicU64::new(0),

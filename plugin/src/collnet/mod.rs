@@ -51,7 +51,7 @@ pub use group::*;
 pub(crate) use stream::*;
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
@@ -99,6 +99,14 @@ pub struct CollComm {
     links: Mutex<Option<Arc<Links>>>,
     /// Operations issued so far (the next one's sequence number).
     seq: Mutex<u32>,
+    /// Through reducers: the operation whose headers go next. A reducer
+    /// pairs the ranks' headers in the order they arrive, and NCCL may test
+    /// a later operation first, so each operation sends its headers only in
+    /// its turn, and passes the turn on once all of them are posted.
+    header_turn: AtomicU32,
+    /// An operation failed before all its headers were posted: the turn
+    /// never passes it, and the later ones fail instead of waiting.
+    header_lost: AtomicBool,
     /// Operations in flight.
     live: AtomicUsize,
     /// Payload bytes this rank sent and received in collectives.
