@@ -29,6 +29,14 @@ pub fn status_kb(field: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// `/proc/loadavg` as it reads, or "unknown": how busy the host was while
+/// `weft bench` measured.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "unknown".to_owned())
+}
+
 /// What `weft bench` measures Weft against: raw libfabric on the device
 /// Weft itself would use (`survey`), through Weft's own thin wrappers.
 pub mod fabric {

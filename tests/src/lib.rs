@@ -129,12 +129,7 @@ pub fn plugin_sources() -> Vec<(std::path::PathBuf, String)> {
         .collect()
 }
 
-/// `/proc/loadavg`, for timeout messages.
-pub fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_else(|_| "unknown".to_owned())
-}
+pub use weft::tools::load_average;
 
 /// Calls `step` until it returns `Some`, yielding between calls; panics with
 /// `what` and the load average after [`timeout`].

@@ -71,7 +71,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nccl_net_weft::tools::fabric::{Completion, Domain, Endpoint, FiAddr, FiError, Mr, ACCESS_ALL};
-use nccl_net_weft::tools::{self, hex, status_kb};
+use nccl_net_weft::tools::{self, hex, load_average, status_kb};
 
 use crate::plugin::{open_plugin, Lib};
 
@@ -417,12 +417,6 @@ fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_owned())
         .unwrap_or_else(|_| "this host".to_owned())
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_else(|_| "unknown".to_owned())
 }
 
 /// The bytes of a hex string from the bootstrap line.
