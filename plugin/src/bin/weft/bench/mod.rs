@@ -232,7 +232,7 @@ fn run(args: &[String]) -> Res<()> {
             listener.local_addr().map_err(|e| e.to_string())?,
             hostname()
         );
-        return serve_connections(&listener, None, plugin.as_deref());
+        return serve_connections(&listener, None, plugin.as_deref()).map(drop);
     }
     let sizes = sizes.unwrap_or_else(|| {
         if quick {
@@ -331,7 +331,9 @@ fn run(args: &[String]) -> Res<()> {
         }
     }
     if let Some(t) = local {
-        t.join().map_err(|_| "the serving thread panicked")??;
+        for server in t.join().map_err(|_| "the serving thread panicked")?? {
+            reap(server);
+        }
     }
     let m = collect(&records);
     let (tab, csv) = table(&m);

@@ -14,6 +14,7 @@
 //! on the cluster's own network only.
 
 use std::os::fd::OwnedFd;
+use std::process::Child;
 
 use nccl_net_weft::tools::fabric::Device;
 use nccl_net_weft::tools::Config;
@@ -120,20 +121,26 @@ pub(super) fn order(plan: &Plan, rep: usize) -> Vec<&'static str> {
 }
 
 /// Accepts connections on `listener` (at most `max`), each served by a
-/// fresh `weft bench --serve` process whose stdin and stdout are the socket.
+/// fresh `weft bench --serve` process whose stdin and stdout are the
+/// socket; returns those processes (with `max`) or waits for each in a
+/// thread of its own (without: `--listen` serves the next run meanwhile).
 pub(super) fn serve_connections(
     listener: &TcpListener,
     max: Option<usize>,
     plugin: Option<&str>,
-) -> Res<()> {
+) -> Res<Vec<Child>> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut served = 0;
-    while max.is_none_or(|m| served < m) {
+    let mut servers = Vec::new();
+    while max.is_none_or(|m| servers.len() < m) {
         let (stream, from) = listener.accept().map_err(|e| format!("accept: {e}"))?;
-        served += 1;
         if max.is_none() {
             eprintln!("weft bench: a run from {from}");
         }
+        // The server never waits longer than this for its client (the
+        // option goes with the socket into the server process).
+        stream
+            .set_read_timeout(Some(PATIENCE))
+            .map_err(|e| e.to_string())?;
         let input = stream.try_clone().map_err(|e| e.to_string())?;
         let mut cmd = Command::new(&exe);
         cmd.args(["bench", "--serve"])
@@ -142,14 +149,37 @@ pub(super) fn serve_connections(
         if let Some(p) = plugin {
             cmd.args(["--plugin", p]);
         }
-        let status = cmd
-            .status()
-            .map_err(|e| format!("{}: {e}", exe.display()))?;
-        if max.is_none() {
-            eprintln!("weft bench: the run from {from} ended ({status})");
+        let mut child = cmd.spawn().map_err(|e| format!("{}: {e}", exe.display()))?;
+        if max.is_some() {
+            servers.push(child);
+        } else {
+            std::thread::spawn(move || match child.wait() {
+                Ok(status) => eprintln!("weft bench: the run from {from} ended ({status})"),
+                Err(e) => eprintln!("weft bench: the run from {from}: {e}"),
+            });
         }
     }
-    Ok(())
+    Ok(servers)
+}
+
+/// Waits for a server process whose run is over (its client has its last
+/// answer); one that has not exited after [`PATIENCE`] hangs in its exit,
+/// and is killed with a warning: its figures are complete and checked.
+pub(super) fn reap(mut server: Child) {
+    let start = Instant::now();
+    while start.elapsed() < PATIENCE {
+        match server.try_wait() {
+            Ok(Some(_)) | Err(_) => return,
+            Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+    eprintln!(
+        "weft bench: warning: the server process {} did not exit within {} s after its run ended; killed",
+        server.id(),
+        PATIENCE.as_secs()
+    );
+    let _ = server.kill();
+    let _ = server.wait();
 }
 
 /// The device Weft uses for `provider` (`auto`: the one it picks), found
